@@ -1,0 +1,3 @@
+from driftless.cli import main
+
+raise SystemExit(main())
