@@ -1,0 +1,106 @@
+"""RolloutBatch: the data spine. Padded tensors, right-padded, one row per response.
+
+Per-token fields are aligned with ``tokens``: entry ``[b, t]`` describes token ``tokens[b, t]``
+(predicted from the prefix ``tokens[b, :t]``). Position 0 is never an action.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from driftless.rollout.sampling import SamplingParams
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor  # [B, L] int64, prompt + completion, right-padded
+    prompt_len: torch.Tensor  # [B]
+    length: torch.Tensor  # [B] prompt + completion length
+    action_mask: torch.Tensor  # [B, L] bool, tokens the policy chose
+    sampler_logp: torch.Tensor  # [B, L] log q of the recorded token (0 off the mask)
+    version: torch.Tensor  # [B, L] int64 weight version that sampled each token (−1 off the mask)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampler_topk_ids: torch.Tensor | None = None  # [B, L, k] sorted by decreasing q
+    sampler_topk_logp: torch.Tensor | None = None  # [B, L, k]
+    group: torch.Tensor | None = None  # [B] prompt group ids
+    reward: torch.Tensor | None = None  # [B]
+    advantage: torch.Tensor | None = None  # [B] or [B, L]
+    anchor_logp: torch.Tensor | None = None  # [B, L] π0, filled by the learner
+    created: torch.Tensor | None = None  # [B] float64 unix time the response finished
+    enqueued: torch.Tensor | None = None  # [B] float64 unix time it entered a queue
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    # -------------------------------------------------------------- validation
+    def validate(self) -> None:
+        def need(name, cond, msg):
+            if not cond:
+                raise ValueError(f"RolloutBatch.{name}: {msg}")
+
+        t = self.tokens
+        need("tokens", isinstance(t, torch.Tensor) and t.dim() == 2, f"must be [B, L], got {getattr(t, 'shape', t)}")
+        need("tokens", t.dtype == torch.int64, f"must be int64, got {t.dtype}")
+        b, l = t.shape
+        for name in ("prompt_len", "length"):
+            x = getattr(self, name)
+            need(name, isinstance(x, torch.Tensor) and tuple(x.shape) == (b,), f"must have shape ({b},)")
+        need("length", bool((self.length <= l).all()), f"exceeds the padded length {l}")
+        need("prompt_len", bool((self.prompt_len >= 1).all()), "every prompt needs at least one token")
+        need("prompt_len", bool((self.prompt_len <= self.length).all()), "is longer than the row's length")
+        for name in ("action_mask", "sampler_logp", "version"):
+            x = getattr(self, name)
+            need(name, isinstance(x, torch.Tensor) and tuple(x.shape) == (b, l), f"must have shape ({b}, {l})")
+        need("action_mask", self.action_mask.dtype == torch.bool, f"must be bool, got {self.action_mask.dtype}")
+        pos = torch.arange(l)[None, :]
+        inside = (pos >= self.prompt_len[:, None]) & (pos < self.length[:, None])
+        need("action_mask", not bool((self.action_mask & ~inside).any()), "marks tokens outside the completion")
+        on = self.action_mask
+        lq = self.sampler_logp[on]
+        need("sampler_logp", bool(torch.isfinite(lq).all()), "must be finite on every action token (q > 0)")
+        need("sampler_logp", bool((lq <= 1e-6).all()), "holds log-probabilities > 0")
+        need("version", self.version.dtype == torch.int64, f"must be int64, got {self.version.dtype}")
+        need("version", bool((self.version[on] >= 0).all()), "every action token needs a weight version >= 0")
+        if self.sampler_topk_ids is not None or self.sampler_topk_logp is not None:
+            ids, lp = self.sampler_topk_ids, self.sampler_topk_logp
+            need("sampler_topk_ids", ids is not None and lp is not None, "head ids and log-probs come together")
+            need("sampler_topk_ids", ids.dim() == 3 and tuple(ids.shape[:2]) == (b, l), f"must be [{b}, {l}, k]")
+            need("sampler_topk_logp", lp.shape == ids.shape, f"must match sampler_topk_ids {tuple(ids.shape)}")
+            need("sampler_topk_logp", not bool(torch.isnan(lp[on]).any()), "holds NaN on action tokens")
+        for name in ("group", "reward", "created", "enqueued"):
+            x = getattr(self, name)
+            if x is not None:
+                need(name, tuple(x.shape) == (b,), f"must have shape ({b},), got {tuple(x.shape)}")
+        if self.reward is not None:
+            need("reward", bool(torch.isfinite(self.reward).all()), "holds NaN or inf")
+        if self.advantage is not None:
+            need("advantage", tuple(self.advantage.shape) in ((b,), (b, l)), f"must be [{b}] or [{b}, {l}]")
+            need("advantage", bool(torch.isfinite(self.advantage).all()), "holds NaN or inf")
+        if self.anchor_logp is not None:
+            need("anchor_logp", tuple(self.anchor_logp.shape) == (b, l), f"must have shape ({b}, {l})")
+
+    # -------------------------------------------------------------- helpers
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.action_mask.sum())
+
+    def replace(self, **changes) -> "RolloutBatch":
+        return dataclasses.replace(self, **changes)
+
+    def completions(self) -> list[list[int]]:
+        return [self.tokens[i, self.prompt_len[i]:self.length[i]].tolist() for i in range(self.batch_size)]
+
+    def prompts(self) -> list[list[int]]:
+        return [self.tokens[i, : self.prompt_len[i]].tolist() for i in range(self.batch_size)]
+
+    def token_ages(self, current_version: int) -> torch.Tensor:
+        """current version − generating version, on action tokens (the measured sampler age)."""
+        return (current_version - self.version)[self.action_mask]

@@ -1,0 +1,70 @@
+"""The sampling transform: temperature, top-k, top-p, greedy; one function for sampler and trainer.
+
+``sampling_logprobs(logits, params)`` returns log q over the vocabulary under the exact transform
+(the filtered support renormalised, −inf outside it). The sampler draws from it and records the
+drawn token's entry; the trainer applies the very same function to its own logits, so that in
+aligned mode both sides compute identical bits, and in any mode the recorded q is the
+probability that actually sampled the token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = no top-k filtering
+    top_p: float = 1.0  # 1 = no nucleus filtering
+    greedy: bool = False  # explicit argmax decoding: q is a point mass, log q = 0 on the chosen token
+
+    def __post_init__(self):
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 (got {self.temperature}); use greedy=True for argmax decoding"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def is_identity(self) -> bool:
+        """Temperature 1, no filtering, not greedy: log q = log_softmax(logits)."""
+        return not self.greedy and self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log q ``[..., V]`` under the transform; differentiable in ``logits`` (except greedy)."""
+    v = logits.shape[-1]
+    if params.top_k > v:
+        raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({v})")
+    x = logits.float()
+    if params.greedy:
+        best = x.argmax(-1, keepdim=True)
+        out = torch.full_like(x, float("-inf"))
+        return out.scatter(-1, best, 0.0) + 0.0 * x  # keeps the graph; value 0 at argmax
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    if 0 < params.top_k < v:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+        drop_sorted = before >= params.top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def entropy_from_logprobs(logq: torch.Tensor) -> torch.Tensor:
+    p = logq.exp()
+    return -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1)
