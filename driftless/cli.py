@@ -41,6 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_seed_table)
 
+    a = sub.add_parser("check-alignment", help="sampler vs trainer log-probs per execution mode")
+    a.add_argument("--model", help="a TinyLM safetensors file (default: a random TinyLM)")
+    a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf"])
+    a.add_argument("--prompts", type=int, default=12)
+    a.add_argument("--max-new-tokens", type=int, default=24)
+    a.add_argument("--temperature", type=float, default=1.0)
+    a.add_argument("--top-k", type=int, default=0)
+    a.add_argument("--top-p", type=float, default=1.0)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.set_defaults(func=_check_alignment)
+
     d = sub.add_parser("demo", help="the main job on the embedded default")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_demo)
@@ -51,6 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"driftless: error: {err}", file=sys.stderr)
         return 2
+
+
+def _check_alignment(args) -> int:
+    from driftless.experiments.alignment import run_check
+    from driftless.rollout import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    result = run_check(model_path=args.model, modes=tuple(args.modes), num_prompts=args.prompts,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, params=params)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"| {'mode':<8} | {'tokens':>6} | {'bitwise equal':>13} | {'max |Δ log p|':>13} | {'KL(q‖p) k3':>11} |")
+    print(f"|{'-' * 10}|{'-' * 8}|{'-' * 15}|{'-' * 15}|{'-' * 13}|")
+    for mode, r in result["modes"].items():
+        print(f"| {mode:<8} | {r['tokens']:>6} | {r['bitwise_equal_fraction']:>13.4f} | "
+              f"{r['max_abs_logp_diff']:>13.3e} | {r['kl_k3']:>11.3e} |")
+    return 0
 
 
 def _demo(args) -> int:

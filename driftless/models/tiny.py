@@ -142,6 +142,10 @@ class TinyLM(nn.Module):
     def execution(self, value: str) -> None:
         if value not in EXECUTIONS:
             raise ValueError(f"execution must be one of {EXECUTIONS}, got {value!r}")
+        if value == "aligned" and getattr(self, "_execution", None) != "aligned":
+            from driftless.models.selftest import ensure_aligned
+
+            ensure_aligned(self.config)  # refuses aligned mode if the invariance fails here
         self._execution = value
 
     @property

@@ -1,7 +1,9 @@
 """The sampling transform: temperature, top-k, top-p, greedy; one function for sampler and trainer.
 
 ``sampling_logprobs(logits, params)`` returns log q over the vocabulary under the exact transform
-(the filtered support renormalised, −inf outside it). The sampler draws from it and records the
+(the filtered support renormalised, −inf outside it). Order: temperature, then top-k, then
+top-p on the top-k-renormalised distribution (the order of transformers and vLLM); top-p keeps
+the smallest prefix of tokens, by decreasing probability, whose mass reaches ``top_p``. The sampler draws from it and records the
 drawn token's entry; the trainer applies the very same function to its own logits, so that in
 aligned mode both sides compute identical bits, and in any mode the recorded q is the
 probability that actually sampled the token.

@@ -1,0 +1,1 @@
+"""Experiments: alignment checks, sweeps, reports and plots."""

@@ -1,0 +1,114 @@
+"""Transformers adapter: any local causal-LM directory or a transformers config as a Policy.
+
+    from driftless.models.hf import HFPolicy
+    policy = HFPolicy("path/to/local/model")          # never downloads (local_files_only)
+    policy = HFPolicy(Qwen3Config(...))               # random init from a config
+
+Scoring is the model's own full forward; sampling goes through its own KV path
+(``past_key_values``) with right-padded prompts, a 2-D attention mask with holes for the pad
+slots, and explicit per-row ``position_ids``, so the Sampler records the same fields as with TinyLM.
+Needs the ``hf`` extra (``pip install driftless[hf]``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the transformers adapter needs the 'hf' extra: pip install 'driftless[hf]'") from err
+    return transformers
+
+
+@dataclass
+class HFCache:
+    past: object = None
+    mask: torch.Tensor | None = None
+    batch_size: int = 0
+
+
+class HFPolicy(nn.Module):
+    execution = "fast"
+
+    def __init__(self, source, *, dtype=torch.float32, attn_implementation: str = "sdpa"):
+        super().__init__()
+        tf = _transformers()
+        # transformers renamed torch_dtype -> dtype and past_key_values -> cache; support both
+        major = int(tf.__version__.split(".")[0])
+        dtype_kw = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+        if isinstance(source, tf.PretrainedConfig):
+            self.model = tf.AutoModelForCausalLM.from_config(source, attn_implementation=attn_implementation,
+                                                             **dtype_kw)
+        elif isinstance(source, nn.Module):
+            self.model = source
+        else:
+            self.model = tf.AutoModelForCausalLM.from_pretrained(
+                str(source), local_files_only=True, attn_implementation=attn_implementation, **dtype_kw
+            )
+        self.model.eval()
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def _check(self, tokens):
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be a non-empty [B, T] tensor, got shape {tuple(tokens.shape)}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if tokens.shape[1] > self.max_seq_len:
+            raise ValueError(f"{tokens.shape[1]} positions exceed the context ({self.max_seq_len})")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._check(tokens)
+        return self.model(input_ids=tokens.long(), use_cache=False).logits.float()
+
+    def _cache_of(self, out):
+        return getattr(out, "cache", None) if self._cache_kw == "cache" else out.past_key_values
+
+    def new_cache(self, batch_size: int) -> HFCache:
+        return HFCache(batch_size=batch_size)
+
+    def prefill(self, tokens, lengths, cache: HFCache):
+        self._check(tokens)
+        t = tokens.shape[1]
+        mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+        positions = torch.arange(t)[None, :].expand(tokens.shape[0], t)
+        out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True)
+        cache.past, cache.mask = self._cache_of(out), mask
+        return out.logits.float()
+
+    def decode(self, tokens, positions, cache: HFCache):
+        cache.mask = torch.cat([cache.mask, torch.ones(cache.mask.shape[0], 1, dtype=torch.long)], dim=1)
+        out = self.model(input_ids=tokens[:, None].long(), attention_mask=cache.mask,
+                         position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
+        cache.past = self._cache_of(out)
+        return out.logits[:, -1].float()
+
+
+def tiny_qwen3_config(vocab_size: int = 64, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
+                      intermediate: int = 128, max_positions: int = 128):
+    """A tiny randomly initialisable Qwen3 config (no download), for tests and benchmarks."""
+    tf = _transformers()
+    return tf.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
+    )
