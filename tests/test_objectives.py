@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 from driftless.analysis import expected_logit_update, log_ratio_decomposition
 from driftless.objectives import PRESET_NAMES, make
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Exact enumeration in float64, restored afterwards so other modules keep float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 # ---------------------------------------------------------------- closed forms (logit space)

@@ -92,11 +92,11 @@ class Sampler:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
         k = min(self.head_k, vocab)
-        logq_tok = torch.zeros(b, total)
+        logq_tok = torch.zeros(b, total, dtype=torch.float32)
         version = torch.full((b, total), -1, dtype=torch.long)
         mask = torch.zeros(b, total, dtype=torch.bool)
         head_ids = torch.zeros(b, total, k, dtype=torch.long)
-        head_logp = torch.zeros(b, total, k)
+        head_logp = torch.zeros(b, total, k, dtype=torch.float32)
         limit = torch.clamp(plen + max_new_tokens, max=ctx)  # per-row end (exclusive)
 
         cache = policy.new_cache(b)
@@ -117,13 +117,13 @@ class Sampler:
             a = rows[active]
             p_a = pos[active]
             tokens[a, p_a] = tok[active]
-            logq_tok[a, p_a] = logq[active, tok[active]]
+            logq_tok[a, p_a] = logq[active, tok[active]].float()
             version[a, p_a] = self.version
             mask[a, p_a] = True
             if k:
                 top = torch.topk(logq[active], k, dim=-1)
                 head_ids[a, p_a] = top.indices
-                head_logp[a, p_a] = top.values
+                head_logp[a, p_a] = top.values.float()
             if self.eos_id is not None:
                 done |= active & (tok == self.eos_id)
             pos = torch.where(active, pos + 1, pos)
