@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     a = sub.add_parser("check-alignment", help="sampler vs trainer log-probs per execution mode")
     a.add_argument("--model", help="a TinyLM safetensors file (default: a random TinyLM)")
-    a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf"])
+    a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf", "fast+quant", "aligned+quant"])
+    a.add_argument("--view", default="w8a8+kv:int8", help="sampler mismatch view for the +quant modes")
+    a.add_argument("--trainer-numerics", default="fwd-fq", choices=["fwd-fq", "native"],
+                   help="trainer forward for the +quant modes (with 'native', add native to --view)")
     a.add_argument("--prompts", type=int, default=12)
     a.add_argument("--max-new-tokens", type=int, default=24)
     a.add_argument("--temperature", type=float, default=1.0)
@@ -52,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=_check_alignment)
+
+    mt = sub.add_parser("mismatch-table", help="KL, max |Δ log p| and head mass per sampler mismatch view")
+    mt.add_argument("--model", help="a TinyLM safetensors file (default: a peaked random TinyLM)")
+    mt.add_argument("--kinds", nargs="+", help="view specs (default: the docs/mismatch.md list)")
+    mt.add_argument("--prompts", type=int, default=32)
+    mt.add_argument("--max-new-tokens", type=int, default=24)
+    mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--json", action="store_true")
+    mt.set_defaults(func=_mismatch_table)
 
     d = sub.add_parser("demo", help="the main job on the embedded default")
     d.add_argument("--json", action="store_true")
@@ -71,15 +83,25 @@ def _check_alignment(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = run_check(model_path=args.model, modes=tuple(args.modes), num_prompts=args.prompts,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, params=params)
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, params=params, view=args.view,
+                       trainer_numerics=args.trainer_numerics)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"| {'mode':<8} | {'tokens':>6} | {'bitwise equal':>13} | {'max |Δ log p|':>13} | {'KL(q‖p) k3':>11} |")
-    print(f"|{'-' * 10}|{'-' * 8}|{'-' * 15}|{'-' * 15}|{'-' * 13}|")
+    print(f"| {'mode':<13} | {'tokens':>6} | {'bitwise equal':>13} | {'max |Δ log p|':>13} | {'KL(q‖p) k3':>11} |")
+    print(f"|{'-' * 15}|{'-' * 8}|{'-' * 15}|{'-' * 15}|{'-' * 13}|")
     for mode, r in result["modes"].items():
-        print(f"| {mode:<8} | {r['tokens']:>6} | {r['bitwise_equal_fraction']:>13.4f} | "
+        print(f"| {mode:<13} | {r['tokens']:>6} | {r['bitwise_equal_fraction']:>13.4f} | "
               f"{r['max_abs_logp_diff']:>13.3e} | {r['kl_k3']:>11.3e} |")
+    return 0
+
+
+def _mismatch_table(args) -> int:
+    from driftless.experiments.mismatch_table import DEFAULT_KINDS, format_table, run_table
+
+    result = run_table(model_path=args.model, kinds=tuple(args.kinds or DEFAULT_KINDS), num_prompts=args.prompts,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(json.dumps(result) if args.json else format_table(result))
     return 0
 
 

@@ -52,10 +52,14 @@ def _score_in_groups(policy, batch: RolloutBatch, sizes: list[int]):
 
 
 def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
-                 head_k: int = 8, groupings=((64,), (1,), (3, 1, 2))) -> dict:
-    """Generate in several groupings, re-score in several groupings, aggregate the comparison."""
+                 head_k: int = 8, groupings=((64,), (1,), (3, 1, 2)), view=None, trainer_numerics=None) -> dict:
+    """Generate in several groupings, re-score in several groupings, aggregate the comparison.
+
+    ``view``: a sampler mismatch view; ``trainer_numerics``: the trainer's forward numerics.
+    """
     trainer = make_policy()
-    sampler = Sampler(make_policy(), head_k=head_k)
+    trainer.numerics = trainer_numerics if hasattr(trainer, "numerics") else None
+    sampler = Sampler(make_policy(), head_k=head_k, view=view)
     sampler.load(Snapshot.of(trainer, 0))
     totals = {"tokens": 0, "equal": 0.0, "max": 0.0, "kl_sum": 0.0}
     for gi, gen_sizes in enumerate(groupings):
@@ -77,8 +81,13 @@ def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens
             "max_abs_logp_diff": totals["max"], "kl_k3": totals["kl_sum"] / n}
 
 
-def run_check(*, model_path=None, modes=("fast", "aligned", "hf"), num_prompts: int = 12, max_new_tokens: int = 24,
-              seed: int = 0, params: SamplingParams | None = None) -> dict:
+def run_check(*, model_path=None, modes=("fast", "aligned", "hf", "fast+quant", "aligned+quant"),
+              num_prompts: int = 12, max_new_tokens: int = 24, seed: int = 0, params: SamplingParams | None = None,
+              view: str = "w8a8+kv:int8", trainer_numerics: str = "fwd-fq") -> dict:
+    """Modes: ``fast``, ``aligned``, ``hf`` (transformers decode vs its own full forward) and
+    ``fast+quant`` / ``aligned+quant``: a sampler quantized by ``view`` against a trainer whose
+    forward uses the matching ``trainer_numerics`` (``fwd-fq`` or ``native``)."""
+    from driftless.mismatch import parse_view
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
     params = params or SamplingParams()
@@ -96,12 +105,20 @@ def run_check(*, model_path=None, modes=("fast", "aligned", "hf"), num_prompts: 
                for n in torch.randint(1, 12, (num_prompts,), generator=g)]
     out = {}
     for mode in modes:
-        if mode in ("fast", "aligned"):
-            def make(mode=mode):
-                m = TinyLM(config, execution=mode)
+        if mode in ("fast", "aligned", "fast+quant", "aligned+quant"):
+            execution = mode.split("+")[0]
+
+            def make(execution=execution):
+                m = TinyLM(config, execution=execution)
                 m.load_state_dict(state)
                 return m
-            out[mode] = check_policy(make, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
+            kwargs = {}
+            if mode.endswith("+quant"):
+                sampler_view = parse_view(view)
+                if sampler_view.quant is None:
+                    raise ValueError(f"view {view!r} has no quantization for the {mode} mode")
+                kwargs = {"view": sampler_view, "trainer_numerics": sampler_view.quant.numerics.for_trainer(trainer_numerics)}
+            out[mode] = check_policy(make, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed, **kwargs)
         elif mode == "hf":
             try:
                 from driftless.models.hf import HFPolicy, tiny_qwen3_config
@@ -120,5 +137,5 @@ def run_check(*, model_path=None, modes=("fast", "aligned", "hf"), num_prompts: 
                 return m
             out["hf"] = check_policy(make_hf, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
         else:
-            raise ValueError(f"unknown mode {mode!r}; choose from fast, aligned, hf")
+            raise ValueError(f"unknown mode {mode!r}; choose from fast, aligned, hf, fast+quant, aligned+quant")
     return {"modes": out}

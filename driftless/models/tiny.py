@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from driftless.ops.batch_invariant import DEFAULT_CHUNK, bi_linear, cached_attention
+from driftless.ops.numerics import Numerics
 
 EXECUTIONS = ("fast", "aligned")
 
@@ -69,13 +70,9 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.batch_size = batch_size
-        # hooks applied once when K/V are written (e.g. KV-cache quantization of a sampler view)
-        self.write_transform = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v ``[B, n_kv, T, D]`` written at ``positions [B, T]``."""
-        if self.write_transform is not None:
-            k, v = self.write_transform(k), self.write_transform(v)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
         self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
@@ -119,6 +116,7 @@ class TinyLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.chunk = DEFAULT_CHUNK
+        self.numerics: Numerics | None = None  # fake / native quantization of operands (ops.numerics)
         self.execution = execution
         self.reset_parameters()
 
@@ -196,6 +194,8 @@ class TinyLM(nn.Module):
         return tokens.long(), start.long()
 
     def _linear(self, x, layer: nn.Linear, aligned: bool):
+        if self.numerics is not None:
+            return self.numerics.linear(x, layer.weight, aligned, self.chunk)
         return bi_linear(x, layer.weight, self.chunk) if aligned else F.linear(x, layer.weight)
 
     def _norm(self, x, weight, aligned: bool):
@@ -221,6 +221,8 @@ class TinyLM(nn.Module):
             v = self._linear(h, layer.wv, aligned).view(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
             q = apply_rope(q, cos, sin) * scale
             k = apply_rope(k, cos, sin)
+            if self.numerics is not None and self.numerics.kv is not None:
+                k, v = self.numerics.kv_write(k), self.numerics.kv_write(v)  # quantized once, when written
             if cache is not None:
                 cache.write(i, k, v, positions)
             if aligned:
