@@ -65,9 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     mt.add_argument("--json", action="store_true")
     mt.set_defaults(func=_mismatch_table)
 
-    d = sub.add_parser("demo", help="the main job on the embedded default")
-    d.add_argument("--json", action="store_true")
+    tr = sub.add_parser("train", help="train with RL: driftless train CONFIG [key.sub=value ...]")
+    tr.add_argument("config", help="a YAML config (see configs/)")
+    tr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. objective.name=sc")
+    tr.add_argument("--run-dir", help="where the run goes (default: train.run_dir)")
+    tr.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    tr.add_argument("--no-progress", action="store_true")
+    tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="evaluate a run's latest checkpoint on the held-out split")
+    ev.add_argument("run", help="a run directory")
+    ev.add_argument("--problems", type=int, help="how many held-out problems (default: the run's)")
+    ev.set_defaults(func=_eval)
+
+    d = sub.add_parser("demo", help="the main job on the embedded default: pg vs tis vs sc under mismatch")
+    d.add_argument("--config", default=None, help="base config (default: configs/demo.yaml settings)")
+    d.add_argument("--methods", nargs="+", default=["pg", "tis", "sc"])
+    d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
     d.set_defaults(func=_demo)
+
+    st = sub.add_parser("seed-table-json", help=argparse.SUPPRESS)
+    st.set_defaults(func=lambda a: _seed_table(argparse.Namespace(p=[0.8, 0.2], q=[0.5, 0.5],
+                                                                   advantages=[2.0, 0.0], beta=0.2, json=True)))
 
     args = parser.parse_args(argv)
     try:
@@ -105,9 +126,29 @@ def _mismatch_table(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from driftless.train import load_config, train
+
+    config = load_config(args.config, args.overrides)
+    run_dir = train(config, args.run_dir, resume=args.resume, progress=not args.no_progress)
+    print(f"run written to {run_dir} (report: {run_dir / 'report.md'})")
+    return 0
+
+
+def _eval(args) -> int:
+    from driftless.train.run_eval import evaluate_run
+
+    print(json.dumps(evaluate_run(args.run, problems=args.problems)))
+    return 0
+
+
 def _demo(args) -> int:
-    ns = argparse.Namespace(p=[0.8, 0.2], q=[0.5, 0.5], advantages=[2.0, 0.0], beta=0.2, json=args.json)
-    return _seed_table(ns)
+    from driftless.experiments.demo import run_demo
+
+    report = run_demo(args.run_dir, methods=args.methods, config_path=args.config, overrides=args.overrides,
+                      progress=not args.no_progress)
+    print(report.read_text())
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""Run reports and plots: ``report.md`` and ``plots/*.png`` from a run directory's metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise ValueError(f"{run_dir} has no metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def initial_eval(run_dir: str | Path) -> float | None:
+    path = Path(run_dir) / "initial_eval.json"
+    return json.loads(path.read_text())["eval_reward"] if path.exists() else None
+
+
+def eval_curve(run_dir) -> tuple[list[int], list[float]]:
+    """(completed steps, eval reward), starting with the pre-training evaluation at step 0."""
+    rows = read_metrics(run_dir)
+    xs, ys = [], []
+    first = initial_eval(run_dir)
+    if first is not None:
+        xs.append(0)
+        ys.append(first)
+    for r in rows:
+        if "eval_reward" in r:
+            xs.append(r["step"] + 1)
+            ys.append(r["eval_reward"])
+    return xs, ys
+
+
+def summarize(run_dir) -> dict:
+    rows = read_metrics(run_dir)
+    xs, ys = eval_curve(run_dir)
+    tail = rows[-max(1, len(rows) // 5):]
+    return {
+        "steps": len(rows),
+        "initial_eval": ys[0] if ys else None,
+        "final_eval": ys[-1] if ys else None,
+        "best_eval": max(ys) if ys else None,
+        "final_train_reward": sum(r["reward"] for r in tail) / len(tail),
+        "mean_kl_k3": sum(r.get("kl_k3", 0.0) for r in rows) / len(rows),
+        "max_ratio": max(r.get("ratio_max", 0.0) for r in rows),
+        "collapsed_steps": sum(bool(r.get("collapsed")) for r in rows),
+        "skipped_steps": rows[-1].get("skipped_steps", 0),
+        "mean_step_time": sum(r["step_time"] for r in rows) / len(rows),
+    }
+
+
+def plot_run(run_dir) -> list[Path]:
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    steps = [r["step"] + 1 for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot(steps, [r["reward"] for r in rows], label="train reward", alpha=0.6)
+    xs, ys = eval_curve(run_dir)
+    ax[0].plot(xs, ys, "o-", label="eval reward")
+    ax[0].set_xlabel("step")
+    ax[0].set_ylim(-0.02, 1.02)
+    ax[0].legend()
+    ax[1].semilogy(steps, [max(r.get("kl_k3", 0.0), 1e-12) for r in rows], label="KL(q‖p) k3")
+    ax[1].semilogy(steps, [max(r.get("ratio_max", 1.0), 1e-12) for r in rows], label="max p/q")
+    ax[1].set_xlabel("step")
+    ax[1].legend()
+    fig.tight_layout()
+    path = out / "training.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def write_run_report(run_dir) -> Path:
+    run_dir = Path(run_dir)
+    s = summarize(run_dir)
+    plots = plot_run(run_dir)
+    config = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").exists() else ""
+    lines = [f"# Run report: {run_dir.name}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in s.items()]
+    lines += ["", *[f"![{p.stem}](plots/{p.name})" for p in plots], "", "## Config", "", "```yaml", config, "```"]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "—" if v is None else str(v)

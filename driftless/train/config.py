@@ -1,0 +1,282 @@
+"""Run configuration: dataclasses loaded from YAML, with ``a.b=c`` overrides.
+
+Unknown keys and bad values are refused with a ValueError that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from driftless.objectives import ESTIMATORS, REWARD_MODES, make
+from driftless.ops.numerics import TRAINER_NUMERICS
+
+
+def _positive(section: str, obj, *names):
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{section}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelSection:
+    kind: str = "tiny"  # tiny | hf
+    execution: str = "fast"  # fast | aligned (tiny only)
+    d_model: int = 192
+    n_layer: int = 4
+    n_head: int = 3
+    n_kv_head: int = 1
+    d_ff: int = 512
+    max_seq_len: int = 64
+    hf_path: str | None = None  # a local transformers directory; None = a tiny random Qwen3 config
+    warm_start: bool = True  # tiny only: start from the cached supervised warm start
+
+    def __post_init__(self):
+        if self.kind not in ("tiny", "hf"):
+            raise ValueError(f"model.kind must be 'tiny' or 'hf', got {self.kind!r}")
+        if self.execution not in ("fast", "aligned"):
+            raise ValueError(f"model.execution must be 'fast' or 'aligned', got {self.execution!r}")
+        if self.kind == "hf" and self.execution == "aligned":
+            raise ValueError("model.execution 'aligned' needs model.kind 'tiny'")
+        _positive("model", self, "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len")
+
+
+@dataclass
+class TaskSection:
+    name: str = "countdown"  # countdown | arithmetic
+    n_numbers: int = 3
+    min_number: int = 1
+    max_number: int = 9
+    max_target: int = 100
+    ops: str = "+-*/"
+    max_operand: int = 20  # arithmetic only
+
+    def __post_init__(self):
+        if self.name not in ("countdown", "arithmetic"):
+            raise ValueError(f"task.name must be 'countdown' or 'arithmetic', got {self.name!r}")
+        self.build()  # validates the task's own knobs
+
+    def build(self):
+        from driftless.tasks import Arithmetic, Countdown, CountdownConfig
+
+        if self.name == "arithmetic":
+            return Arithmetic(self.max_operand)
+        return Countdown(CountdownConfig(self.n_numbers, self.min_number, self.max_number, self.max_target, self.ops))
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    head_k: int = 32
+
+    def __post_init__(self):
+        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens")
+        if not isinstance(self.head_k, int) or self.head_k < 0:
+            raise ValueError(f"rollout.head_k must be an integer >= 0, got {self.head_k!r}")
+        from driftless.rollout import SamplingParams
+
+        try:
+            self.sampling()
+        except ValueError as err:
+            raise ValueError(f"rollout: {err}") from None
+        assert SamplingParams  # imported for the check above
+
+    def sampling(self):
+        from driftless.rollout import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclass
+class MismatchSection:
+    view: str = "none"  # sampler view spec, e.g. "w8a8+kv:int8", "noise:0.05" (driftless.mismatch)
+    staleness: int = 0  # refresh the sampler every staleness + 1 steps
+    trainer_numerics: str = "fp"  # fp | fwd-fq | fwd-bwd-fq | native
+
+    def __post_init__(self):
+        from driftless.mismatch import SyncPolicy, parse_view
+
+        try:
+            view = parse_view(self.view)
+        except ValueError as err:
+            raise ValueError(f"mismatch.view: {err}") from None
+        SyncPolicy(self.staleness)
+        if self.trainer_numerics not in TRAINER_NUMERICS:
+            raise ValueError(f"mismatch.trainer_numerics must be one of {TRAINER_NUMERICS}, got {self.trainer_numerics!r}")
+        if self.trainer_numerics != "fp" and view.quant is None:
+            raise ValueError(f"mismatch.trainer_numerics {self.trainer_numerics!r} needs a quantized mismatch.view")
+
+
+@dataclass
+class ObjectiveSection:
+    name: str = "pg"
+    params: dict = field(default_factory=dict)
+    reward_mode: str = "±1"  # +1/0 | ±1 | ±1-centered
+    advantage: str = "group-mean"  # group-mean | grpo | leave-one-out | none
+
+    def __post_init__(self):
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"objective.reward_mode must be one of {REWARD_MODES}, got {self.reward_mode!r}")
+        if self.advantage not in ESTIMATORS:
+            raise ValueError(f"objective.advantage must be one of {ESTIMATORS}, got {self.advantage!r}")
+        try:
+            self.build()
+        except ValueError as err:
+            raise ValueError(f"objective: {err}") from None
+
+    def build(self):
+        return make(self.name, **(self.params or {}))
+
+
+@dataclass
+class OptimSection:
+    name: str = "sgd"  # sgd (plain, as in the paper) | adamw
+    lr: float = 0.5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0  # 0 = off
+
+    def __post_init__(self):
+        if self.name not in ("sgd", "adamw"):
+            raise ValueError(f"optim.name must be 'sgd' or 'adamw', got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr!r}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0, got {self.grad_clip!r}")
+
+
+@dataclass
+class WarmStartSection:
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    eval_problems: int = 256
+    cache_dir: str = "runs/warmstart"
+
+    def __post_init__(self):
+        _positive("warm_start", self, "steps", "batch_size", "eval_problems")
+
+
+@dataclass
+class TrainSection:
+    steps: int = 60
+    seed: int = 0
+    eval_every: int = 10
+    eval_problems: int = 128
+    checkpoint_every: int = 20
+    run_dir: str = "runs/default"
+    progress: bool = True
+
+    def __post_init__(self):
+        _positive("train", self, "steps", "eval_every", "eval_problems", "checkpoint_every")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    mismatch: MismatchSection = field(default_factory=MismatchSection)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _coerce(key: str, value, annotation):
+    """Check (and gently coerce) a YAML value against a dataclass field's type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return value
+    if annotation is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(f"unknown config key {where}{unknown[0]!r}; known keys: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, key)
+        else:
+            kwargs[name] = _coerce(key, value, hint)
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"config file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+    data = apply_overrides(data, overrides or [])
+    return _build(RunConfig, data, "")
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)

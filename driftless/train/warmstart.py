@@ -1,0 +1,104 @@
+"""Warm start: supervised pretraining of the built-in model on generated solutions.
+
+RL needs a policy whose reward is nonzero but improvable. ``warm_start`` trains TinyLM with
+teacher forcing on prompt → solution pairs from the task's training split (loss on completion
+tokens only), deterministically, then measures greedy eval reward on the held-out split. The
+result is cached under ``runs/warmstart/<key>/`` (model.safetensors + info.json), keyed by every
+setting that changes it, and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from driftless.models import TinyLM, TinyLMConfig, load_model, save_model
+from driftless.train.evaluate import evaluate
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 1200
+    batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    eval_problems: int = 256
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_problems"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warm_start.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"warm_start.lr must be > 0, got {self.lr}")
+
+
+def sft_batch(problems, tokenizer):
+    seqs, starts = [], []
+    for p in problems:
+        prompt = tokenizer.encode(p.prompt)
+        seqs.append(prompt + tokenizer.encode(p.completion, bos=False) + [tokenizer.eos_id])
+        starts.append(len(prompt))
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        tokens[i, : len(s)] = torch.tensor(s)
+        mask[i, st:len(s)] = True
+    return tokens, mask
+
+
+def cache_key(model_config: TinyLMConfig, task, ws: WarmStartConfig, max_new_tokens: int) -> str:
+    task_cfg = asdict(task.config) if hasattr(task, "config") else {"max_operand": getattr(task, "max_operand", None)}
+    blob = json.dumps({"model": asdict(model_config), "task": [task.name, task_cfg], "warm": asdict(ws),
+                       "max_new_tokens": max_new_tokens, "v": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig, *, max_new_tokens: int,
+               cache_dir: str | Path = "runs/warmstart", progress: bool = True):
+    """Train (or load from the cache) the warm-started model; returns (model, info)."""
+    key = cache_key(model_config, task, ws, max_new_tokens)
+    out_dir = Path(cache_dir) / key
+    if (out_dir / "model.safetensors").exists() and (out_dir / "info.json").exists():
+        model, _ = load_model(out_dir / "model.safetensors")
+        return model, json.loads((out_dir / "info.json").read_text())
+    torch.manual_seed(ws.seed)
+    model = TinyLM(model_config)
+    model.reset_parameters(seed=ws.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=ws.steps, pct_start=0.05)
+    rng = random.Random(ws.seed)
+    t0 = time.time()
+    bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
+    loss_value = float("nan")
+    for _ in bar:
+        tokens, mask = sft_batch(task.sample(ws.batch_size, rng, "train"), tokenizer)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
+        m = mask[:, 1:].reshape(-1).float()
+        loss = (loss * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_value = float(loss.detach())
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+    result = evaluate(model, task, tokenizer, task.eval_set(ws.eval_problems), max_new_tokens=max_new_tokens)
+    info = {"key": key, "final_loss": loss_value, "seconds": time.time() - t0, **result,
+            "config": asdict(ws), "model": asdict(model_config)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(model, out_dir / "model.safetensors", version=0)
+    tmp = out_dir / "info.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(out_dir / "info.json")
+    return model, info

@@ -1,0 +1,200 @@
+"""Countdown scoring, config validation, short end-to-end runs, resume and NaN handling."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from driftless.objectives import PRESET_NAMES
+from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
+from driftless.train import Run, load_config
+from driftless.train.loop import TIMING_KEYS
+
+TINY = [
+    "task.name=arithmetic", "task.max_operand=9",
+    "model.d_model=64", "model.n_head=1", "model.n_kv_head=1", "model.d_ff=128", "model.n_layer=1",
+    "model.max_seq_len=32", "model.warm_start=false",
+    "rollout.prompts_per_step=3", "rollout.group_size=4", "rollout.max_new_tokens=4", "rollout.head_k=8",
+    "train.eval_problems=8", "train.progress=false",
+]
+
+
+def tiny_config(*extra):
+    return load_config(None, [*TINY, *extra])
+
+
+# ---------------------------------------------------------------- Countdown rules
+@pytest.mark.parametrize("completion,expected", [
+    ("<answer>(7-3)*9-6</answer>", 0.0),  # uses 6, not given
+    ("<answer>(7-3)*9</answer>", 1.0),
+    ("<answer> ( 7 - 3 ) * 9 </answer>", 1.0),
+    ("think <answer>1+1</answer> then <answer>9*(7-3)</answer>", 1.0),  # the last answer counts
+    ("<answer>9*(7-3)</answer> and <answer>1+1</answer>", 0.0),
+    ("<answer>(7-3)*9*1</answer>", 0.0),  # an extra number
+    ("<answer>(7-3)*9.0</answer>", 0.0),  # '.' is not allowed
+    ("<answer>(7-3)**9</answer>", 0.0),
+    ("<answer>36//1</answer>", 0.0),
+    ("<answer>9*7-3</answer>", 0.0),  # wrong value
+    ("(7-3)*9", 0.0),  # no answer tag
+    ("<answer></answer>", 0.0),
+    ("<answer>(7-3)*9", 0.0),  # unterminated
+    ("<answer>9/(3-3)*7</answer>", 0.0),  # division by zero is wrong, not a crash
+    ("<answer>(9*3+7+2)</answer>", 0.0),
+])
+def test_countdown_score(completion, expected):
+    assert score((3, 7, 9), 36, completion) == expected
+
+
+def test_countdown_division_and_float_target():
+    assert score((6, 4, 3), 8, "<answer>6/3*4</answer>") == 1.0
+    assert score((1, 3, 1), 1, "<answer>1/3*3*1</answer>") == 0.0  # wrong multiset (3 used twice)
+    assert score((2, 3, 5), 3, "<answer>(5+2)/3+2-2</answer>") == 0.0
+
+
+def test_countdown_generation_is_seeded_solvable_and_split():
+    task = Countdown(CountdownConfig(n_numbers=4, max_number=20, max_target=200))
+    a = task.sample(50, random.Random(3))
+    assert a == task.sample(50, random.Random(3))
+    assert all(task.score(p, p.completion) == 1.0 for p in a)
+    train = {(tuple(sorted(p.numbers)), p.target) for p in task.sample(500, random.Random(1))}
+    held = {(tuple(sorted(p.numbers)), p.target) for p in task.eval_set(100)}
+    assert not train & held
+    with pytest.raises(ValueError, match="task.n_numbers"):
+        CountdownConfig(n_numbers=5)
+
+
+def test_tokenizer_roundtrip():
+    tok = CharTokenizer()
+    ids = tok.encode("3 7 9=36:<answer>(7-3)*9</answer>")
+    assert tok.decode(ids[1:] + [tok.eos_id, 5]) == "3 7 9=36:<answer>(7-3)*9</answer>"
+    with pytest.raises(ValueError, match="not in the tokenizer"):
+        tok.encode("x")
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize("override,match", [
+    ("objective.nme=pg", "unknown config key objective.'nme'"),
+    ("trian.steps=3", "unknown config key 'trian'"),
+    ("train.steps=0", "train.steps must be a positive integer"),
+    ("train.steps=abc", "train.steps must be an integer"),
+    ("optim.lr=-1", "optim.lr must be > 0"),
+    ("objective.name=grpo2", "unknown objective preset 'grpo2'"),
+    ("objective.params={top_k: 4}", "preset 'pg' has no parameter 'top_k'"),
+    ("mismatch.view=w16", "mismatch.view: unknown mismatch view 'w16'"),
+    ("mismatch.trainer_numerics=fwd-fq", "needs a quantized mismatch.view"),
+    ("rollout.top_p=1.5", "rollout: top_p must be in"),
+    ("model.execution=turbo", "model.execution must be"),
+    ("objective.reward_mode=binary", "objective.reward_mode"),
+    ("task.max_number=-3", "task.min_number"),
+])
+def test_bad_configs_name_the_key(override, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("'", "'")):
+        load_config(None, [override])
+
+
+def test_yaml_config_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("objective:\n  name: sc+tis\n  params:\n    top_k: 16\ntrain:\n  steps: 7\n")
+    cfg = load_config(path, ["objective.params.cap=3.0", "optim.name=adamw"])
+    assert cfg.objective.name == "sc+tis" and cfg.objective.params == {"top_k": 16, "cap": 3.0}
+    assert cfg.train.steps == 7 and cfg.optim.name == "adamw"
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+# ---------------------------------------------------------------- end to end
+EXPECTED_KEYS = {"step", "version", "reward", "loss", "grad_norm", "entropy", "response_length",
+                 "sampler_age_mean", "sampler_age_max", "sampler_refreshed", "skipped_steps", "collapsed",
+                 "rollout_s", "score_s", "loss_s", "optim_s", "step_time", "tokens_per_s", "kl_k1", "kl_k3",
+                 "ratio_mean", "ratio_max", "weight_mean", "truncated_fraction", "masked_fraction", "ratio_ess",
+                 "logp_absdiff_max", "wall_time"}
+
+
+@pytest.mark.parametrize("preset", ["pg", "tis", "sc", "sc+kl", "ppo+tis", "reinforce-zero", "gspo"])
+def test_a_few_steps_log_every_metric(tmp_path, preset):
+    params = ["objective.params={top_k: 8}"] if preset.startswith("sc") else []
+    cfg = tiny_config(f"objective.name={preset}", "train.steps=3", "train.eval_every=3",
+                      "mismatch.view=w8a8+kv:int8", "mismatch.staleness=1", *params)
+    Run(cfg, tmp_path).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert EXPECTED_KEYS <= set(r), EXPECTED_KEYS - set(r)
+    assert rows[1]["sampler_refreshed"] is False and rows[1]["sampler_age_max"] == 1  # staleness 1: measured age
+    assert rows[2]["sampler_refreshed"] is True and rows[2]["sampler_age_max"] == 0
+    assert "eval_reward" in rows[2] and rows[0]["kl_k3"] > 0
+    if preset.startswith("sc"):
+        assert "sampler_head_mass" in rows[0] and "centering_l1" in rows[0]
+    for name in ("config.yaml", "report.md", "plots/training.png", "checkpoints/latest"):
+        assert (tmp_path / name).exists(), name
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    extra = ["objective.name=sc+tis", "objective.params={top_k: 8}", "mismatch.view=noise:0.05",
+             "mismatch.staleness=2", "train.eval_every=2", "train.checkpoint_every=2"]
+    Run(tiny_config("train.steps=5", *extra), tmp_path / "a").run()
+    Run(tiny_config("train.steps=2", *extra), tmp_path / "b").run()  # "crashes" after a checkpoint at 2
+    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:  # and left a line of a step it never saved
+        f.write(json.dumps({"step": 2, "reward": 123.0}) + "\n")
+    Run(tiny_config("train.steps=5", *extra), tmp_path / "b").run(resume=True)
+    a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) == 5
+    for ra, rb in zip(a, b):
+        ra = {k: v for k, v in ra.items() if k not in TIMING_KEYS}
+        rb = {k: v for k, v in rb.items() if k not in TIMING_KEYS}
+        assert ra == rb
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
+    run = Run(tiny_config("train.steps=3"), tmp_path)
+    before = {k: v.clone() for k, v in run.policy.state_dict().items()}
+    real = run.objective
+    run.objective = lambda view, batch: (view.logp.sum() * float("nan"), {})  # NaN gradients
+    m = run.step()
+    assert m["skipped_steps"] == 1 and m["version"] == 0
+
+    def raising(view, batch):
+        raise FloatingPointError("non-finite loss")
+    run.objective = raising
+    m = run.step()
+    assert m["skipped_steps"] == 2 and m["version"] == 0
+    for k, v in run.policy.state_dict().items():
+        assert torch.equal(v, before[k])
+    run.objective = real
+    m = run.step()
+    assert m["version"] == 1 and m["skipped_steps"] == 2
+
+
+def test_transformers_policy_runs_a_few_steps(tmp_path):
+    pytest.importorskip("transformers")
+    cfg = tiny_config("model.kind=hf", "objective.name=sc", "objective.params={top_k: 8}", "train.steps=2",
+                      "train.eval_every=2", "mismatch.view=noise:0.02")
+    Run(cfg, tmp_path).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[-1]["version"] == 2 and all(r["kl_k3"] > 0 for r in rows)
+
+
+def test_aligned_run_with_matching_quantized_trainer_has_zero_same_version_mismatch(tmp_path):
+    cfg = tiny_config("model.execution=aligned", "mismatch.view=w8a8+kv:int8", "mismatch.trainer_numerics=fwd-fq",
+                      "objective.name=reinforce-zero", "train.steps=2", "train.eval_every=2")
+    Run(cfg, tmp_path).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["logp_absdiff_max"] == 0.0 and rows[0]["kl_k3"] == 0.0  # TII: only weight movement is left
+
+
+def test_demo_and_eval_commands(tmp_path, capsys):
+    from driftless.cli import main
+
+    overrides = [*TINY, "train.steps=2", "train.eval_every=1", "mismatch.view=noise:0.05"]
+    assert main(["demo", "--run-dir", str(tmp_path / "demo"), "--methods", "pg", "sc", "--no-progress",
+                 *overrides]) == 0
+    report = (tmp_path / "demo" / "report.md").read_text()
+    assert "| pg |" in report and "| sc |" in report and (tmp_path / "demo" / "eval_reward.png").exists()
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "demo" / "pg")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0.0 <= out["eval_reward"] <= 1.0 and out["checkpoint"] == "step_000002"
