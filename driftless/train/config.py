@@ -14,6 +14,7 @@ import yaml
 
 from driftless.objectives import ESTIMATORS, REWARD_MODES, make
 from driftless.ops.numerics import TRAINER_NUMERICS
+from driftless.train.warmstart import WarmStartConfig
 
 
 def _positive(section: str, obj, *names):
@@ -157,17 +158,13 @@ class OptimSection:
 
 
 @dataclass
-class WarmStartSection:
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    seed: int = 0
-    eval_problems: int = 256
+class WarmStartSection(WarmStartConfig):
+    """The warm start's settings (driftless.train.warmstart) plus where its cache lives."""
+
     cache_dir: str = "runs/warmstart"
 
-    def __post_init__(self):
-        _positive("warm_start", self, "steps", "batch_size", "eval_problems")
+    def settings(self) -> WarmStartConfig:
+        return WarmStartConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WarmStartConfig)})
 
 
 @dataclass

@@ -47,16 +47,14 @@ def build_policy(config: RunConfig, tokenizer, progress: bool = True):
         torch.manual_seed(config.train.seed)
         return HFPolicy(source), None
     from driftless.models import TinyLM, TinyLMConfig
-    from driftless.train.warmstart import WarmStartConfig, warm_start
+    from driftless.train.warmstart import warm_start
 
     model_config = TinyLMConfig(vocab_size=tokenizer.vocab_size, d_model=m.d_model, n_layer=m.n_layer,
                                 n_head=m.n_head, n_kv_head=m.n_kv_head, d_ff=m.d_ff, max_seq_len=m.max_seq_len)
     info = None
     if m.warm_start:
         ws = config.warm_start
-        base, info = warm_start(model_config, config.task.build(), tokenizer,
-                                WarmStartConfig(ws.steps, ws.batch_size, ws.lr, ws.weight_decay, ws.seed,
-                                                ws.eval_problems),
+        base, info = warm_start(model_config, config.task.build(), tokenizer, ws.settings(),
                                 max_new_tokens=config.rollout.max_new_tokens, cache_dir=ws.cache_dir,
                                 progress=progress)
         state = base.state_dict()

@@ -26,7 +26,7 @@ from driftless.train.evaluate import evaluate
 
 @dataclass
 class WarmStartConfig:
-    steps: int = 1200
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.01
