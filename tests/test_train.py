@@ -98,9 +98,11 @@ def test_bad_configs_name_the_key(override, match):
 def test_yaml_config_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("objective:\n  name: sc+tis\n  params:\n    top_k: 16\ntrain:\n  steps: 7\n")
-    cfg = load_config(path, ["objective.params.cap=3.0", "optim.name=adamw"])
+    cfg = load_config(path, ["objective.params.cap=3.0", "optim.name=adamw", "optim.lr=3e-4"])
     assert cfg.objective.name == "sc+tis" and cfg.objective.params == {"top_k": 16, "cap": 3.0}
-    assert cfg.train.steps == 7 and cfg.optim.name == "adamw"
+    assert cfg.train.steps == 7 and cfg.optim.name == "adamw" and cfg.optim.lr == 3e-4
+    with pytest.raises(ValueError, match="optim.lr must be a number, got 'fast'"):
+        load_config(path, ["optim.lr=fast"])
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
 

@@ -84,7 +84,9 @@ class Sampler:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if params.top_k > vocab:
             raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab})")
-        gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**63))
+        if seed is None:  # drawn from the global generator: reproducible under torch.manual_seed
+            seed = int(torch.randint(0, 2**62, (1,)))
+        gen = torch.Generator().manual_seed(seed)
         b = len(prompts)
         plen = torch.tensor([len(p) for p in prompts])
         total = min(int(plen.max()) + max_new_tokens, ctx)

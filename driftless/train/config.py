@@ -6,6 +6,7 @@ Unknown keys and bad values are refused with a ValueError that names the key.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,13 +85,10 @@ class RolloutSection:
         _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens")
         if not isinstance(self.head_k, int) or self.head_k < 0:
             raise ValueError(f"rollout.head_k must be an integer >= 0, got {self.head_k!r}")
-        from driftless.rollout import SamplingParams
-
         try:
             self.sampling()
         except ValueError as err:
             raise ValueError(f"rollout: {err}") from None
-        assert SamplingParams  # imported for the check above
 
     def sampling(self):
         from driftless.rollout import SamplingParams
@@ -200,7 +198,7 @@ def _coerce(key: str, value, annotation):
     """Check (and gently coerce) a YAML value against a dataclass field's type."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
@@ -214,6 +212,11 @@ def _coerce(key: str, value, annotation):
             raise ValueError(f"{key} must be an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{key} must be a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key} must be a number, got {value!r}")
         return float(value)

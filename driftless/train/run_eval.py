@@ -24,7 +24,6 @@ def evaluate_run(run_dir, problems: int | None = None) -> dict:
     policy, _ = build_policy(config, tokenizer, progress=False)
     ckpt = run_dir / "checkpoints" / latest.read_text().strip()
     policy.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-    policy.numerics = None if hasattr(policy, "numerics") else None
     task = config.task.build()
     result = evaluate(policy, task, tokenizer, task.eval_set(problems or config.train.eval_problems),
                       max_new_tokens=config.rollout.max_new_tokens)
