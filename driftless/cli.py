@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. objective.name=sc")
     tr.add_argument("--run-dir", help="where the run goes (default: train.run_dir)")
     tr.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    tr.add_argument("--overwrite", action="store_true", help="replace a run already in the run directory")
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=_train)
 
@@ -86,9 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
     d.set_defaults(func=_demo)
 
-    st = sub.add_parser("seed-table-json", help=argparse.SUPPRESS)
-    st.set_defaults(func=lambda a: _seed_table(argparse.Namespace(p=[0.8, 0.2], q=[0.5, 0.5],
-                                                                   advantages=[2.0, 0.0], beta=0.2, json=True)))
 
     args = parser.parse_args(argv)
     try:
@@ -130,7 +128,8 @@ def _train(args) -> int:
     from driftless.train import load_config, train
 
     config = load_config(args.config, args.overrides)
-    run_dir = train(config, args.run_dir, resume=args.resume, progress=not args.no_progress)
+    run_dir = train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite,
+                    progress=not args.no_progress)
     print(f"run written to {run_dir} (report: {run_dir / 'report.md'})")
     return 0
 

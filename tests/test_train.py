@@ -151,6 +151,13 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
         assert ra == rb
 
 
+def test_a_fresh_run_refuses_to_clobber_a_saved_one(tmp_path):
+    Run(tiny_config("train.steps=1"), tmp_path).run()
+    with pytest.raises(ValueError, match="already holds a run"):
+        Run(tiny_config("train.steps=1"), tmp_path).run()
+    Run(tiny_config("train.steps=1"), tmp_path).run(overwrite=True)
+
+
 def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
     run = Run(tiny_config("train.steps=3"), tmp_path)
     before = {k: v.clone() for k, v in run.policy.state_dict().items()}

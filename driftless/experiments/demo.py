@@ -32,7 +32,7 @@ def run_demo(run_dir="runs/demo", *, methods=("pg", "tis", "sc"), config_path=No
     runs = {}
     for method in methods:
         cfg = load_config(config_path, [*overrides, f"objective.name={method}"])
-        runs[method] = train(cfg, run_dir / method, progress=progress)
+        runs[method] = train(cfg, run_dir / method, overwrite=True, progress=progress)  # regenerable
     return write_comparison(run_dir, runs, load_config(config_path, list(overrides)))
 
 

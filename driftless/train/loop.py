@@ -204,14 +204,21 @@ class Run:
         self.sampler_state, self.sampler_version = snapshot.state, snapshot.version
 
     # ------------------------------------------------------------------ driving
-    def run(self, resume: bool = False) -> Path:
+    def run(self, resume: bool = False, overwrite: bool = False) -> Path:
+        """Train to ``train.steps``. ``resume`` continues from the latest checkpoint; a fresh run
+        refuses a directory that already holds one unless ``overwrite``."""
         cfg = self.config
         self.dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.dir / "metrics.jsonl"
-        if resume and (self.dir / "checkpoints" / "latest").exists():
+        has_checkpoint = (self.dir / "checkpoints" / "latest").exists()
+        if resume and has_checkpoint:
             self.load_checkpoint()
             _truncate_metrics(metrics_path, self.step_index)
         else:
+            if has_checkpoint and not overwrite:
+                raise ValueError(f"{self.dir} already holds a run: pass --resume to continue it, --overwrite to "
+                                 "replace it, or choose another run directory")
+            shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
             if metrics_path.exists():
                 metrics_path.unlink()
             if self.step_index == 0:
@@ -289,6 +296,7 @@ def _truncate_metrics(path: Path, completed: int) -> None:
     _atomic_write(path, "".join(line + "\n" for line in keep))
 
 
-def train(config: RunConfig, run_dir=None, *, resume: bool = False, progress: bool | None = None) -> Path:
+def train(config: RunConfig, run_dir=None, *, resume: bool = False, overwrite: bool = False,
+          progress: bool | None = None) -> Path:
     torch.manual_seed(config.train.seed)
-    return Run(config, run_dir, progress=progress).run(resume=resume)
+    return Run(config, run_dir, progress=progress).run(resume=resume, overwrite=overwrite)
