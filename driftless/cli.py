@@ -107,11 +107,11 @@ def _check_alignment(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"| {'mode':<13} | {'tokens':>6} | {'bitwise equal':>13} | {'max |Δ log p|':>13} | {'KL(q‖p) k3':>11} |")
-    print(f"|{'-' * 15}|{'-' * 8}|{'-' * 15}|{'-' * 15}|{'-' * 13}|")
+    print(f"| {'mode':<13} | {'tokens':>6} | {'bitwise equal':>13} | {'max abs Δ log p':>15} | {'KL(q‖p) k3':>11} |")
+    print(f"|{'-' * 15}|{'-' * 8}|{'-' * 15}|{'-' * 17}|{'-' * 13}|")
     for mode, r in result["modes"].items():
         print(f"| {mode:<13} | {r['tokens']:>6} | {r['bitwise_equal_fraction']:>13.4f} | "
-              f"{r['max_abs_logp_diff']:>13.3e} | {r['kl_k3']:>11.3e} |")
+              f"{r['max_abs_logp_diff']:>15.3e} | {r['kl_k3']:>11.3e} |")
     return 0
 
 
