@@ -214,11 +214,15 @@ class TinyLM(nn.Module):
         x = self.embed(tokens)
         scale = 1.0 / math.sqrt(c.head_dim)
         groups = c.n_head // c.n_kv_head
+        if not aligned and cache is not None:
+            span = int(positions.max()) + 1  # keys beyond the furthest position are never visible
+            visible = (torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None])[:, None]
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm, aligned)
-            q = self._linear(h, layer.wq, aligned).view(b, t, c.n_head, c.head_dim).transpose(1, 2)
-            k = self._linear(h, layer.wk, aligned).view(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
-            v = self._linear(h, layer.wv, aligned).view(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
+            q, k, v = (self._linear(h, w, aligned) for w in (layer.wq, layer.wk, layer.wv))
+            q = q.reshape(b, t, c.n_head, c.head_dim).transpose(1, 2)
+            k = k.reshape(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
+            v = v.reshape(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
             q = apply_rope(q, cos, sin) * scale
             k = apply_rope(k, cos, sin)
             if self.numerics is not None and self.numerics.kv is not None:
@@ -226,23 +230,15 @@ class TinyLM(nn.Module):
             if cache is not None:
                 cache.write(i, k, v, positions)
             if aligned:
-                keys = cache.k[i].repeat_interleave(groups, dim=1)
-                values = cache.v[i].repeat_interleave(groups, dim=1)
-                attn = cached_attention(q, keys, values, positions, self.chunk)
+                attn = cached_attention(q, cache.k[i], cache.v[i], positions, self.chunk)
             elif cache is None:
-                keys = k.repeat_interleave(groups, dim=1)
-                values = v.repeat_interleave(groups, dim=1)
-                attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=1.0)
+                attn = _sdpa(q, k, v, groups, is_causal=True)
             else:
-                span = int(positions.max()) + 1
-                keys = cache.k[i][:, :, :span].repeat_interleave(groups, dim=1)
-                values = cache.v[i][:, :, :span].repeat_interleave(groups, dim=1)
-                visible = torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None]
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=1.0)
+                attn = _sdpa(q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], groups, attn_mask=visible)
             x = x + self._linear(attn.transpose(1, 2).reshape(b, t, c.d_model), layer.wo, aligned)
             h = self._norm(x, layer.mlp_norm, aligned)
-            gate = F.silu(self._linear(h, layer.w_gate, aligned))
-            x = x + self._linear(gate * self._linear(h, layer.w_up, aligned), layer.w_down, aligned)
+            gate, up = self._linear(h, layer.w_gate, aligned), self._linear(h, layer.w_up, aligned)
+            x = x + self._linear(F.silu(gate) * up, layer.w_down, aligned)
         x = self._norm(x, self.final_norm, aligned)
         return self._linear(x, self.lm_head, aligned)
 
@@ -263,6 +259,19 @@ class TinyLM(nn.Module):
 
     def config_dict(self) -> dict:
         return asdict(self.config)
+
+
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def _sdpa(q, k, v, groups: int, **kwargs):
+    """SDPA over grouped K/V heads: no copy where torch supports enable_gqa (2.5+)."""
+    if groups > 1:
+        if _SDPA_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, scale=1.0, **kwargs)
 
 
 class _AlignedForward(torch.autograd.Function):

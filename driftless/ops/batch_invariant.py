@@ -45,14 +45,21 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, chunk: int = DEFAULT_CHUNK)
 def cached_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor, chunk: int = DEFAULT_CHUNK
 ) -> torch.Tensor:
-    """Causal attention over a fixed-length cache.
+    """Causal attention over a fixed-length cache, grouped-query heads without copying K/V.
 
-    q ``[B, H, Tq, D]`` (already scaled and rotated), caches ``[B, H, T, D]``, ``q_pos [B, Tq]`` the
-    absolute position of each query. Key slot j is visible to a query at position t iff j ≤ t.
+    q ``[B, H, Tq, D]`` (already scaled and rotated), caches ``[B, Hkv, T, D]`` with H a multiple of
+    Hkv (query head h reads KV head h // (H / Hkv)), ``q_pos [B, Tq]`` the absolute position of
+    each query. Key slot j is visible to a query at position t iff j ≤ t. The query rows of the
+    heads sharing a KV head are multiplied as one block of rows: each row's bits do not depend on
+    how many rows share its block.
     """
-    t_max = k_cache.shape[-2]
-    scores = chunked_rows_matmul(q, k_cache.transpose(-1, -2), chunk)  # [B, H, Tq, T]
+    b, h, tq, d = q.shape
+    h_kv, t_max = k_cache.shape[1], k_cache.shape[-2]
+    groups = h // h_kv
+    rows = q.reshape(b, h_kv, groups * tq, d)  # rows ordered (group, position)
+    scores = chunked_rows_matmul(rows, k_cache.transpose(-1, -2), chunk)  # [B, Hkv, G*Tq, T]
     visible = torch.arange(t_max, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Tq, T]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    return chunked_rows_matmul(weights, v_cache, chunk)  # [B, H, Tq, D]
+    visible = visible[:, None].expand(b, groups, tq, t_max).reshape(b, 1, groups * tq, t_max)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out = chunked_rows_matmul(weights, v_cache, chunk)  # [B, Hkv, G*Tq, D]
+    return out.reshape(b, h, tq, d)

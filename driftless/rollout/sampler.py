@@ -94,11 +94,6 @@ class Sampler:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
         k = min(self.head_k, vocab)
-        logq_tok = torch.zeros(b, total, dtype=torch.float32)
-        version = torch.full((b, total), -1, dtype=torch.long)
-        mask = torch.zeros(b, total, dtype=torch.bool)
-        head_ids = torch.zeros(b, total, k, dtype=torch.long)
-        head_logp = torch.zeros(b, total, k, dtype=torch.float32)
         limit = torch.clamp(plen + max_new_tokens, max=ctx)  # per-row end (exclusive)
 
         cache = policy.new_cache(b)
@@ -106,47 +101,66 @@ class Sampler:
         last = prefill[torch.arange(b), plen - 1]  # [B, V]
         pos = plen.clone()  # where each row's next token goes
         done = torch.zeros(b, dtype=torch.bool)
-        rows = torch.arange(b)
+        steps: dict[str, list] = {"token": [], "logq": [], "active": [], "head_ids": [], "head_logp": []}
         while True:
             active = ~done & (pos < limit)
             if not active.any():
                 break
-            logq = sampling_logprobs(last, params)  # [B, V]
+            logq = sampling_logprobs(last, params)  # [B, V] under the exact transform
             if params.greedy:
                 tok = logq.argmax(-1)
             else:
                 tok = torch.multinomial(logq.exp(), 1, generator=gen).squeeze(-1)
-            a = rows[active]
-            p_a = pos[active]
-            tokens[a, p_a] = tok[active]
-            logq_tok[a, p_a] = logq[active, tok[active]].float()
-            version[a, p_a] = self.version
-            mask[a, p_a] = True
+            steps["token"].append(tok)
+            steps["logq"].append(logq.gather(1, tok[:, None]).squeeze(1).float())
+            steps["active"].append(active)
             if k:
-                top = torch.topk(logq[active], k, dim=-1)
-                head_ids[a, p_a] = top.indices
-                head_logp[a, p_a] = top.values.float()
+                top = torch.topk(logq, k, dim=-1)
+                steps["head_ids"].append(top.indices)
+                steps["head_logp"].append(top.values.float())
             if self.eos_id is not None:
                 done |= active & (tok == self.eos_id)
-            pos = torch.where(active, pos + 1, pos)
+            pos = pos + active.long()
             if not (~done & (pos < limit)).any():
                 break
-            feed_pos = torch.clamp(pos - 1, max=ctx - 1)
-            feed_tok = tokens[rows, feed_pos]
-            last = policy.decode(feed_tok, feed_pos, cache)
+            # feed each row's new token at its position (finished rows feed junk into a slot they no longer read)
+            last = policy.decode(tok, torch.clamp(pos - 1, max=ctx - 1), cache)
+
+        # write the per-step records at each row's positions plen + step, in one scatter per field
+        n_steps = len(steps["token"])
+        act = torch.stack(steps["active"], 1)  # [B, S]; a row is active for a prefix of the steps
+        where = plen[:, None] + torch.arange(n_steps)[None, :]  # [B, S]
+        width = total + n_steps  # scratch room so inactive steps never collide with real positions
+
+        def place(values, fill, dtype, tail=()):
+            buf = torch.full((b, width, *tail), fill, dtype=dtype)
+            index = where.view(b, n_steps, *[1] * len(tail)).expand(b, n_steps, *tail)
+            return buf.scatter_(1, index, values)
+
+        used = int(pos.max())
+        tokens = torch.cat([tokens, torch.full((b, n_steps), self.pad_id, dtype=torch.long)], 1)
+        tokens = torch.where(place(act, False, torch.bool), place(torch.stack(steps["token"], 1), 0, torch.long), tokens)
+        mask = place(act, False, torch.bool)[:, :used]
+        logq_tok = place(torch.where(act, torch.stack(steps["logq"], 1), 0.0), 0.0, torch.float32)[:, :used]
+        version = torch.where(mask, self.version, -1)
+        head_ids = head_logp = None
+        if k:
+            act_k = act[..., None]
+            head_ids = place(torch.where(act_k, torch.stack(steps["head_ids"], 1), 0), 0, torch.long, (k,))[:, :used]
+            head_logp = place(torch.where(act_k, torch.stack(steps["head_logp"], 1), 0.0), 0.0, torch.float32,
+                              (k,))[:, :used]
         length = pos
-        used = int(length.max())
         now = time.time()
         return RolloutBatch(
-            tokens=tokens[:, :used].clone(),
+            tokens=tokens[:, :used].contiguous(),
             prompt_len=plen,
             length=length.clone(),
-            action_mask=mask[:, :used].clone(),
-            sampler_logp=logq_tok[:, :used].clone(),
-            version=version[:, :used].clone(),
+            action_mask=mask.contiguous(),
+            sampler_logp=logq_tok.contiguous(),
+            version=version.contiguous(),
             sampling=params,
-            sampler_topk_ids=head_ids[:, :used].clone() if k else None,
-            sampler_topk_logp=head_logp[:, :used].clone() if k else None,
+            sampler_topk_ids=None if head_ids is None else head_ids.contiguous(),
+            sampler_topk_logp=None if head_logp is None else head_logp.contiguous(),
             group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
             created=torch.full((b,), now, dtype=torch.float64),
         )
