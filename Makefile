@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check driftless tests bench
+
 bench: $(STAMP)
 	$(PY) bench/objectives.py
+	$(PY) bench/train_step.py
+	$(PY) bench/rollout.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

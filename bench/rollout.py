@@ -59,12 +59,12 @@ def main() -> None:
         sampler = Sampler(model, head_k=32)
         sampler.load(Snapshot.of(base, 0))
         seconds[f"sampler_{mode}"] = timed(
-            lambda: sampler.generate(prompts.tolist(), params, args.new_tokens, seed=1), args.repeats)
+            lambda sampler=sampler: sampler.generate(prompts.tolist(), params, args.new_tokens, seed=1), args.repeats)
         full = torch.randint(2, config.vocab_size, (args.batch, args.prompt_len + args.new_tokens), generator=g)
         with torch.no_grad():
-            seconds[f"forward_{mode}"] = timed(lambda: model(full), args.repeats)
+            seconds[f"forward_{mode}"] = timed(lambda model=model, full=full: model(full), args.repeats)
 
-        def fwd_bwd():
+        def fwd_bwd(model=model, full=full):
             model.zero_grad(set_to_none=True)
             torch.log_softmax(model(full), -1).mean().backward()
         seconds[f"forward_backward_{mode}"] = timed(fwd_bwd, args.repeats)
@@ -88,7 +88,7 @@ def main() -> None:
 
     out["seconds"] = seconds
     out["tokens_per_second"] = {k: n_tokens / v for k, v in seconds.items()
-                                if k.startswith("sampler") or k.startswith("transformers")}
+                                if k.startswith(("sampler", "transformers"))}
     if "transformers_generate" in seconds:
         out["speedup_vs_transformers_generate"] = seconds["transformers_generate"] / seconds["sampler_fast"]
     out["aligned_vs_fast_forward_ratio"] = seconds["forward_aligned"] / seconds["forward_fast"]

@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from driftless.models.hf import HFPolicy, tiny_qwen3_config  # noqa: E402
-from driftless.objectives import make  # noqa: E402
-from driftless.rollout import Sampler, SamplingParams, Snapshot, score_batch  # noqa: E402
+from driftless.models.hf import HFPolicy, tiny_qwen3_config
+from driftless.objectives import make
+from driftless.rollout import Sampler, SamplingParams, Snapshot, score_batch
 
 
 def test_hf_policy_samples_scores_and_trains(tmp_path):

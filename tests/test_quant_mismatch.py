@@ -175,8 +175,8 @@ def test_weight_noise_is_drawn_once_per_run():
     first = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(base)
     noise.apply(model)
-    for k in first:
-        assert torch.equal(model.state_dict()[k], first[k])
+    for k, value in first.items():
+        assert torch.equal(model.state_dict()[k], value)
     assert not torch.equal(first["layers.0.wq.weight"], base["layers.0.wq.weight"])
 
 

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from driftless.objectives import PRESET_NAMES
 from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
 from driftless.train import Run, load_config
 from driftless.train.loop import TIMING_KEYS

@@ -131,7 +131,7 @@ def run_check(*, model_path=None, modes=("fast", "aligned", "hf", "fast+quant", 
             torch.manual_seed(seed)
             hf_state = HFPolicy(hf_config).state_dict()
 
-            def make_hf():
+            def make_hf(hf_config=hf_config, hf_state=hf_state):
                 m = HFPolicy(hf_config)
                 m.load_state_dict(hf_state)
                 return m

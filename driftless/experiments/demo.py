@@ -12,10 +12,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics, summarize  # noqa: E402
-from driftless.train import load_config, train  # noqa: E402
+from driftless.experiments.report import eval_curve, read_metrics, summarize
+from driftless.train import load_config, train
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -56,15 +56,14 @@ def write_comparison(run_dir: Path, runs: dict, config) -> Path:
     plot = run_dir / "eval_reward.png"
     fig.savefig(plot, dpi=100)
     plt.close(fig)
-    lines = ["# driftless demo", "",
-             f"Countdown ({config.task.n_numbers} numbers in {config.task.min_number}–{config.task.max_number}), "
-             f"warm-started TinyLM, {config.train.steps} RL steps of {config.rollout.prompts_per_step} prompts × "
-             f"{config.rollout.group_size} samples, optimizer {config.optim.name} lr {config.optim.lr}, "
-             f"sampler view `{config.mismatch.view}`, staleness {config.mismatch.staleness}. "
-             "Regenerate with `make demo`.", "",
-             "| method | initial eval | final eval | best eval | final train reward | mean KL(q‖p) | max p/q | "
-             "collapsed steps | skipped | s/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    setting = (f"Countdown ({config.task.n_numbers} numbers in {config.task.min_number}–{config.task.max_number}), "
+               f"warm-started TinyLM, {config.train.steps} RL steps of {config.rollout.prompts_per_step} prompts × "
+               f"{config.rollout.group_size} samples, optimizer {config.optim.name} lr {config.optim.lr}, "
+               f"sampler view `{config.mismatch.view}`, staleness {config.mismatch.staleness}. "
+               "Regenerate with `make demo`.")
+    header = ("| method | initial eval | final eval | best eval | final train reward | mean KL(q‖p) | max p/q | "
+              "collapsed steps | skipped | s/step |")
+    lines = ["# driftless demo", "", setting, "", header, "|---|---|---|---|---|---|---|---|---|---|"]
     for method, path in runs.items():
         s = summarize(path)
         lines.append(f"| {method} | {s['initial_eval']:.3f} | {s['final_eval']:.3f} | {s['best_eval']:.3f} | "

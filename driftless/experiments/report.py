@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -40,7 +40,7 @@ def eval_curve(run_dir) -> tuple[list[int], list[float]]:
 
 def summarize(run_dir) -> dict:
     rows = read_metrics(run_dir)
-    xs, ys = eval_curve(run_dir)
+    _, ys = eval_curve(run_dir)
     tail = rows[-max(1, len(rows) // 5):]
     return {
         "steps": len(rows),

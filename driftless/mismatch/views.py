@@ -46,7 +46,7 @@ class QuantView:
     def numerics(self) -> Numerics:
         return Numerics(weight=self.weight, act=self.act, kv=self.kv, native=self.native)
 
-    def merge(self, other: "QuantView") -> "QuantView":
+    def merge(self, other: QuantView) -> QuantView:
         out = QuantView(self.weight, self.act, self.kv, self.native or other.native)
         for name in ("weight", "act", "kv"):
             value = getattr(other, name)
@@ -153,6 +153,6 @@ def parse_view(spec: str | None) -> Compose:
                 f"unknown mismatch view {part!r}; use w8a8, w8a8-fp8, w:FMT, a:FMT, kv:FMT, dtype:bf16|fp16, noise:S"
             )
     if quant.native:
-        quant.numerics  # validates: native needs weight and activation formats
+        Numerics(weight=quant.weight, act=quant.act, native=True)  # validates: native needs both formats
     views = ([quant] if any(getattr(quant, n) is not None for n in ("weight", "act", "kv")) else []) + others
     return Compose(views)

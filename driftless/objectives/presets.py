@@ -88,7 +88,7 @@ def make(name: str, **overrides) -> Objective:
     centering = None
     penalties: list = []
     level = _check_level(p.get("level", "token"))
-    ppo = lambda: PPOClip(p["eps_low"], p["eps_high"], p["dual_clip"])  # noqa: E731
+    ppo = lambda: PPOClip(p["eps_low"], p["eps_high"], p["dual_clip"])
 
     if name == "is":
         weight = Weight("is", level=level)

@@ -49,7 +49,7 @@ class Numerics:
                         f"native numerics support int2–int8, fp8_e4m3, fp8_e5m2, fp4_e2m1 with tensor or row "
                         f"scales; got {name}={spec}")
 
-    def for_trainer(self, mode: str) -> "Numerics | None":
+    def for_trainer(self, mode: str) -> Numerics | None:
         """The trainer's forward numerics matching this (sampler) numerics under ``mode``."""
         if mode not in TRAINER_NUMERICS:
             raise ValueError(f"trainer numerics must be one of {TRAINER_NUMERICS}, got {mode!r}")

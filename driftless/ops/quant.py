@@ -206,7 +206,7 @@ class QuantSpec:
             raise ValueError(f"granularity 'group' needs a positive group_size, got {self.group_size!r}")
 
     @classmethod
-    def parse(cls, text: str, default_granularity: str = "tensor") -> "QuantSpec":
+    def parse(cls, text: str, default_granularity: str = "tensor") -> QuantSpec:
         fmt, _, gran = text.partition(":")
         gran = gran or default_granularity
         m = re.fullmatch(r"g(?:roup)?(\d+)", gran)

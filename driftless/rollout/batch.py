@@ -92,7 +92,7 @@ class RolloutBatch:
     def num_action_tokens(self) -> int:
         return int(self.action_mask.sum())
 
-    def replace(self, **changes) -> "RolloutBatch":
+    def replace(self, **changes) -> RolloutBatch:
         return dataclasses.replace(self, **changes)
 
     def completions(self) -> list[list[int]]:

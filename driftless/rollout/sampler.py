@@ -29,7 +29,7 @@ class Snapshot:
             raise ValueError(f"a snapshot needs an integer version >= 0, got {self.version!r}")
 
     @classmethod
-    def of(cls, model, version: int) -> "Snapshot":
+    def of(cls, model, version: int) -> Snapshot:
         return cls({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
 
 

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from driftless.rollout import Sampler, SamplingParams, Snapshot
+from driftless.rollout import Sampler, SamplingParams
 
 
 def encode_prompts(tokenizer, problems) -> list[list[int]]:
