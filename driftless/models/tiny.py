@@ -79,16 +79,18 @@ class KVCache:
 
 
 def rope_tables(config: TinyLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos [T, D]`` = (cos θ, cos θ) and ``sin [T, D]`` = (−sin θ, sin θ) per position (rotate-half form)."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
     angles = torch.arange(config.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[B, H, T, D]``; cos/sin ``[B, 1, T, D/2]`` (rotate-half form, elementwise only)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """x ``[B, H, T, D]``; tables ``[B, 1, T, D]``. With halves (x1, x2) this is
+    (x1 cos − x2 sin, x2 cos + x1 sin), elementwise only: ``roll`` swaps the halves."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class TinyLM(nn.Module):
@@ -209,7 +211,7 @@ class TinyLM(nn.Module):
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]
         if aligned and cache is None:
             cache = self.new_cache(b)  # aligned attention always reads from a fixed-length cache
-        cos = self.rope_cos[positions][:, None]  # [B, 1, T, D/2]
+        cos = self.rope_cos[positions][:, None]  # [B, 1, T, D]
         sin = self.rope_sin[positions][:, None]
         x = self.embed(tokens)
         scale = 1.0 / math.sqrt(c.head_dim)
