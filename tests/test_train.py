@@ -65,6 +65,24 @@ def test_countdown_generation_is_seeded_solvable_and_split():
         CountdownConfig(n_numbers=5)
 
 
+def test_warm_start_is_deterministic_and_cached(tmp_path):
+    from driftless.models import TinyLMConfig
+    from driftless.tasks import Arithmetic
+    from driftless.train.warmstart import WarmStartConfig, warm_start
+
+    config = TinyLMConfig(d_model=64, n_head=1, n_kv_head=1, d_ff=128, n_layer=1, max_seq_len=32)
+    ws = WarmStartConfig(steps=5, batch_size=8, eval_problems=8)
+    args = dict(max_new_tokens=4, progress=False)
+    a, info_a = warm_start(config, Arithmetic(9), CharTokenizer(), ws, cache_dir=tmp_path / "a", **args)
+    b, info_b = warm_start(config, Arithmetic(9), CharTokenizer(), ws, cache_dir=tmp_path / "b", **args)
+    for pa, pb in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.equal(pa, pb)
+    assert info_a["final_loss"] == info_b["final_loss"]
+    c, info_c = warm_start(config, Arithmetic(9), CharTokenizer(), ws, cache_dir=tmp_path / "a", **args)
+    assert info_c == info_a  # loaded from the cache, not retrained
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
+
+
 def test_tokenizer_roundtrip():
     tok = CharTokenizer()
     ids = tok.encode("3 7 9=36:<answer>(7-3)*9</answer>")
