@@ -36,6 +36,17 @@ def test_importance_weights_levels_and_modes():
     assert not tok.requires_grad
 
 
+def test_sequence_level_objectives_report_raw_sequence_ratios():
+    lq = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    lp = torch.log(torch.tensor([[1.0, 1.0], [0.5, 0.25]]))  # sequence ratios 4 and 0.5
+    batch = SimpleNamespace(sampler_logp=lq, action_mask=torch.ones(2, 2, dtype=torch.bool), advantage=torch.ones(2))
+    _, m = make("tis", level="sequence")(SimpleNamespace(logp=lp), batch)
+    assert m["sequence_ratio_max"] == pytest.approx(4.0) and m["sequence_ratio_min"] == pytest.approx(0.5)
+    assert m["weight_max"] == pytest.approx(2.0) and m["truncated_fraction"] == pytest.approx(0.5)
+    _, m = make("mis", level="geometric", lower=0.9, upper=1.5)(SimpleNamespace(logp=lp), batch)
+    assert m["geometric_ratio_max"] == pytest.approx(2.0) and m["masked_fraction"] == pytest.approx(1.0)
+
+
 def test_importance_weights_clamp_log_ratio():
     t = torch.tensor([[0.0]])
     s = torch.tensor([[-100.0]])

@@ -191,6 +191,8 @@ class Objective:
         out = {"tokens": float(mask.sum()), "all_masked": float(mask.sum() == 0)}
         out.update(masked_stats(direct, mask, "ratio"))  # raw token ratio p/q, before any truncation
         out.update(masked_stats(weight, mask, "weight"))  # the weight actually applied
+        if self.weight.level != "token":  # the raw sequence / geometric ratio, before truncation
+            out.update(masked_stats(raw_ratio, mask, f"{self.weight.level}_ratio"))
         out["ratio_ess"] = effective_sample_size(direct, mask)
         out["weight_ess"] = effective_sample_size(weight, mask)
         kind = self.weight.kind

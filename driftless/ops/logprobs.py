@@ -29,6 +29,11 @@ class TokenLogprobs:
     head_logp: torch.Tensor | None  # [B, L, k] log p at the sampler's head ids
     entropy: torch.Tensor  # H = -sum p log p
 
+    @property
+    def sum_p_logp(self) -> torch.Tensor:
+        """Σ_j p_j log p_j = −H at each position."""
+        return -self.entropy
+
 
 def _check_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
     if ids.dtype not in (torch.int64, torch.int32):
