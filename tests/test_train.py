@@ -72,7 +72,7 @@ def test_warm_start_is_deterministic_and_cached(tmp_path):
 
     config = TinyLMConfig(d_model=64, n_head=1, n_kv_head=1, d_ff=128, n_layer=1, max_seq_len=32)
     ws = WarmStartConfig(steps=5, batch_size=8, eval_problems=8)
-    args = dict(max_new_tokens=4, progress=False)
+    args = {"max_new_tokens": 4, "progress": False}
     a, info_a = warm_start(config, Arithmetic(9), CharTokenizer(), ws, cache_dir=tmp_path / "a", **args)
     b, info_b = warm_start(config, Arithmetic(9), CharTokenizer(), ws, cache_dir=tmp_path / "b", **args)
     for pa, pb in zip(a.state_dict().values(), b.state_dict().values()):
