@@ -11,7 +11,7 @@ from driftless.objectives.advantages import ESTIMATORS, REWARD_MODES, group_adva
 from driftless.objectives.centering import ScoreCentering, build_head
 from driftless.objectives.objective import Inputs, Objective, gather_inputs
 from driftless.objectives.penalties import ReferenceKL, SamplerKL
-from driftless.objectives.presets import PRESET_NAMES, PRESETS, make, preset_params
+from driftless.objectives.presets import PRESET_NAMES, PRESETS, make
 from driftless.objectives.reductions import REDUCTIONS, reduce_loss
 from driftless.objectives.surrogates import CISPO, GSPOClip, PPOClip, Reinforce, UnclippedRatio
 from driftless.objectives.weights import Weight, importance_weights
@@ -38,7 +38,6 @@ __all__ = [
     "group_advantages",
     "importance_weights",
     "make",
-    "preset_params",
     "reduce_loss",
     "shape_rewards",
 ]

@@ -125,10 +125,3 @@ def make(name: str, **overrides) -> Objective:
         penalties.append(ReferenceKL(beta=p["ref_kl_beta"], estimator=p["ref_kl_estimator"]))
     return Objective(weight=weight, surrogate=surrogate, centering=centering, penalties=tuple(penalties),
                      reduction=p["reduction"], name=name)
-
-
-def preset_params(name: str) -> dict:
-    """The resolved default parameters of a preset (for docs and configs)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown objective preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
-    return {"reduction": "token-mean", "ref_kl_beta": 0.0, "ref_kl_estimator": "k3", **PRESETS[name]["defaults"]}

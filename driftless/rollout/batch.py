@@ -88,10 +88,6 @@ class RolloutBatch:
     def batch_size(self) -> int:
         return self.tokens.shape[0]
 
-    @property
-    def num_action_tokens(self) -> int:
-        return int(self.action_mask.sum())
-
     def replace(self, **changes) -> RolloutBatch:
         return dataclasses.replace(self, **changes)
 

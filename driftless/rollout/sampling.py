@@ -11,7 +11,7 @@ probability that actually sampled the token.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -32,14 +32,6 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def is_identity(self) -> bool:
-        """Temperature 1, no filtering, not greedy: log q = log_softmax(logits)."""
-        return not self.greedy and self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
