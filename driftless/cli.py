@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="the main job on the embedded default: pg vs tis vs sc under mismatch")
     d.add_argument("--config", default=None, help="base config (default: configs/demo.yaml settings)")
     d.add_argument("--methods", nargs="+", default=["pg", "tis", "sc"])
+    d.add_argument("--seeds", type=int, default=3, help="RL seeds per method (the warm start is shared)")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
@@ -144,8 +145,8 @@ def _eval(args) -> int:
 def _demo(args) -> int:
     from driftless.experiments.demo import run_demo
 
-    report = run_demo(args.run_dir, methods=args.methods, config_path=args.config, overrides=args.overrides,
-                      progress=not args.no_progress)
+    report = run_demo(args.run_dir, methods=args.methods, seeds=args.seeds, config_path=args.config,
+                      overrides=args.overrides, progress=not args.no_progress)
     print(report.read_text())
     return 0
 

@@ -216,11 +216,15 @@ def test_demo_and_eval_commands(tmp_path, capsys):
     from driftless.cli import main
 
     overrides = [*TINY, "train.steps=2", "train.eval_every=1", "mismatch.view=noise:0.05"]
-    assert main(["demo", "--run-dir", str(tmp_path / "demo"), "--methods", "pg", "sc", "--no-progress",
-                 *overrides]) == 0
+    assert main(["demo", "--run-dir", str(tmp_path / "demo"), "--methods", "pg", "sc", "--seeds", "2",
+                 "--no-progress", *overrides]) == 0
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "| pg |" in report and "| sc |" in report and (tmp_path / "demo" / "eval_reward.png").exists()
+    assert (tmp_path / "demo" / "sc" / "seed1" / "metrics.jsonl").exists()
+    first = [json.loads(x) for x in (tmp_path / "demo" / "pg" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    second = [json.loads(x) for x in (tmp_path / "demo" / "pg" / "seed1" / "metrics.jsonl").read_text().splitlines()]
+    assert first[0]["entropy"] != second[0]["entropy"]  # the seed changes prompts and samples
     capsys.readouterr()
-    assert main(["eval", str(tmp_path / "demo" / "pg")]) == 0
+    assert main(["eval", str(tmp_path / "demo" / "pg" / "seed0")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0.0 <= out["eval_reward"] <= 1.0 and out["checkpoint"] == "step_000002"
