@@ -34,17 +34,10 @@ def _score_in_groups(policy, batch: RolloutBatch, sizes: list[int]):
     b = batch.batch_size
     while start < b:
         stop = min(b, start + sizes[i % len(sizes)])
-        rows = torch.arange(start, stop)
-        sub = batch.replace(**{f: getattr(batch, f)[rows] for f in (
-            "tokens", "prompt_len", "length", "action_mask", "sampler_logp", "version",
-            "sampler_topk_ids", "sampler_topk_logp", "group", "created")})
-        # trim padding the smaller group does not need: a different padded width, same history
-        width = int(sub.length.max())
-        sub = sub.replace(**{f: getattr(sub, f)[:, :width] for f in (
-            "tokens", "action_mask", "sampler_logp", "version", "sampler_topk_ids", "sampler_topk_logp")})
+        sub = batch.select(torch.arange(start, stop))  # a different padded width, same histories
         with torch.no_grad():
             v = score_batch(policy, sub)
-        pad = batch.tokens.shape[1] - width
+        pad = batch.tokens.shape[1] - sub.tokens.shape[1]
         logps.append(torch.nn.functional.pad(v.logp, (0, pad)))
         heads.append(torch.nn.functional.pad(v.head_logp, (0, 0, 0, pad)))
         start, i = stop, i + 1

@@ -91,6 +91,21 @@ class RolloutBatch:
     def replace(self, **changes) -> RolloutBatch:
         return dataclasses.replace(self, **changes)
 
+    def select(self, rows) -> RolloutBatch:
+        """The given rows, with the padded width trimmed to what they use (same histories)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        width = int(self.length[rows].max())
+        b = self.batch_size
+        changes = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == b:
+                value = value[rows]
+                if value.dim() >= 2:  # per-token fields: [B, L, ...]
+                    value = value[:, :width]
+                changes[f.name] = value
+        return self.replace(**changes)
+
     def completions(self) -> list[list[int]]:
         return [self.tokens[i, self.prompt_len[i]:self.length[i]].tolist() for i in range(self.batch_size)]
 
