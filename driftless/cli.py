@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     a = sub.add_parser("check-alignment", help="sampler vs trainer log-probs per execution mode")
     a.add_argument("--model", help="a TinyLM safetensors file (default: a random TinyLM)")
-    a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf", "fast+quant", "aligned+quant"])
+    a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc"],
+                   help="aligned-xproc: sampler and trainer in two processes with other CPU kernels, BLAS path "
+                        "and thread count")
     a.add_argument("--view", default="w8a8+kv:int8", help="sampler mismatch view for the +quant modes")
     a.add_argument("--trainer-numerics", default="fwd-fq", choices=["fwd-fq", "native"],
                    help="trainer forward for the +quant modes (with 'native', add native to --view)")

@@ -101,13 +101,42 @@ THREAD_SCRIPT = textwrap.dedent("""
 
 def test_aligned_is_invariant_to_thread_count(tmp_path):
     outs = []
-    for threads in (1, 2):
+    for threads in (1, 2, 4):  # 4 oversubscribes a 2-core machine
         path = tmp_path / f"t{threads}.pt"
         subprocess.run([sys.executable, "-c", THREAD_SCRIPT, str(threads), str(path)], check=True)
         outs.append(torch.load(path))
-    assert torch.equal(outs[0]["full"], outs[1]["full"])
-    assert torch.equal(outs[0]["steps"], outs[1]["steps"])
+    for other in outs[1:]:
+        assert torch.equal(outs[0]["full"], other["full"])
+        assert torch.equal(outs[0]["steps"], other["steps"])
     assert torch.equal(outs[0]["steps"], outs[0]["full"][:, 10:40])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
+                         ids=["plain", "filtered"])
+def test_aligned_sampler_and_trainer_agree_across_processes_and_cpu_kernels(tmp_path, params):
+    """The alignment profile: sampler with torch's AVX2 kernels, MKL's AVX2 path, 1 thread; trainer with
+    AVX-512 kernels (where the CPU has them), MKL's automatic path, 2 threads. Bit for bit."""
+    from driftless.experiments.alignment import cross_process_check
+
+    model = make_model("fast", TinyLMConfig(), seed=4)
+    prompts = [s.tolist() for s in random_seqs(5, seed=2, lo=2, hi=9)]
+    r = cross_process_check(model, prompts, params=params, max_new_tokens=12, seed=1, workdir=tmp_path)
+    assert r["tokens"] > 40
+    assert r["bitwise_equal_fraction"] == 1.0 and r["max_abs_logp_diff"] == 0.0
+    assert r["sampler_process"]["cpu_capability"] == "AVX2" and r["sampler_process"]["threads"] == 1
+
+
+def test_fast_mode_differs_across_cpu_kernels(tmp_path):
+    """Control for the test above: without aligned execution, other kernels give other bits."""
+    from driftless.experiments.alignment import cross_process_check
+
+    model = make_model("fast", TinyLMConfig(), seed=4)
+    prompts = [s.tolist() for s in random_seqs(5, seed=2, lo=2, hi=9)]
+    r = cross_process_check(model, prompts, params=SamplingParams(), max_new_tokens=12, seed=1,
+                            execution="fast", workdir=tmp_path)
+    if r["trainer_process"]["cpu_capability"] == r["sampler_process"]["cpu_capability"]:
+        pytest.skip("this CPU has no AVX-512: both processes ran the same kernels")  # not an alignment test
+    assert r["bitwise_equal_fraction"] < 1.0
 
 
 # ---------------------------------------------------------------- sampler records q honestly
@@ -249,14 +278,20 @@ def test_aligned_gradients_match_fast_and_float64():
     ref.load_state_dict({k: v.double() for k, v in aligned.state_dict().items()})
     ref.rope_cos, ref.rope_sin = ref.rope_cos.double(), ref.rope_sin.double()
     for ga, gf, gr in zip(grads(aligned), grads(fast), grads(ref)):
-        assert torch.allclose(ga, gf, rtol=1e-4, atol=1e-5)
-        assert torch.allclose(ga.double(), gr, rtol=1e-3, atol=1e-6)
+        assert float((ga - gf).norm() / gf.norm()) < 1e-5  # the fast path's backward (at aligned logits)
+        # fp32 vs float64: elementwise tolerances fail on entries that cancel to ~0 (seen with
+        # torch's AVX2 kernels), so compare each parameter's gradient as a whole
+        assert float((ga.double() - gr).norm() / gr.norm()) < 1e-4
 
 
 # ---------------------------------------------------------------- self-test, persistence
 def test_selftest_catches_a_non_invariant_kernel(monkeypatch):
+    import torch.nn.functional as F
+
     assert invariance_failures(SMALL) == []
-    assert invariance_failures(SMALL, chunk=1)  # one-row GEMMs take another kernel: caught
+    failures = invariance_failures(TinyLMConfig(), gemm=lambda x, w: F.linear(x, w))  # plain fp32 GEMMs
+    assert failures  # caught, and the first differing operation is named with its shape
+    assert "first at layer 0 wq|wk|wv (output shape" in failures[0]
     import driftless.models.selftest as st
 
     monkeypatch.setattr(st, "_CACHE", {})

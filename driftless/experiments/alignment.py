@@ -74,12 +74,17 @@ def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens
             "max_abs_logp_diff": totals["max"], "kl_k3": totals["kl_sum"] / n}
 
 
-def run_check(*, model_path=None, modes=("fast", "aligned", "hf", "fast+quant", "aligned+quant"),
+MODES = ("fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc")
+
+
+def run_check(*, model_path=None, modes=MODES,
               num_prompts: int = 12, max_new_tokens: int = 24, seed: int = 0, params: SamplingParams | None = None,
               view: str = "w8a8+kv:int8", trainer_numerics: str = "fwd-fq") -> dict:
     """Modes: ``fast``, ``aligned``, ``hf`` (transformers decode vs its own full forward) and
     ``fast+quant`` / ``aligned+quant``: a sampler quantized by ``view`` against a trainer whose
-    forward uses the matching ``trainer_numerics`` (``fwd-fq`` or ``native``)."""
+    forward uses the matching ``trainer_numerics`` (``fwd-fq`` or ``native``); ``aligned-xproc``:
+    sampler and trainer in two processes with other CPU kernels, BLAS path and threads
+    (``CROSS_PROCESS_ENVS``)."""
     from driftless.mismatch import parse_view
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
@@ -129,6 +134,83 @@ def run_check(*, model_path=None, modes=("fast", "aligned", "hf", "fast+quant", 
                 m.load_state_dict(hf_state)
                 return m
             out["hf"] = check_policy(make_hf, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
+        elif mode == "aligned-xproc":
+            model = TinyLM(config)
+            model.load_state_dict(state)
+            out[mode] = cross_process_check(model, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
         else:
-            raise ValueError(f"unknown mode {mode!r}; choose from fast, aligned, hf, fast+quant, aligned+quant")
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     return {"modes": out}
+
+
+# ---------------------------------------------------------------- sampler and trainer in two processes
+# Two processes as unlike as one machine allows: other SIMD kernels (torch's CPU capability),
+# other BLAS code path (MKL's CBWR branch) and other thread counts. With the alignment profile
+# (aligned execution, the same driftless and torch versions) they must agree bit for bit.
+CROSS_PROCESS_ENVS = (
+    {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1"},
+    {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "2"},
+)
+_BATCH_FIELDS = ("tokens", "prompt_len", "length", "action_mask", "sampler_logp", "version",
+                 "sampler_topk_ids", "sampler_topk_logp")
+
+
+def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
+    """One side of the cross-process check (``python -m driftless.experiments.alignment ...``)."""
+    from driftless.models import load_model
+
+    job = torch.load(job_path, weights_only=False)
+    policy, version = load_model(model_path, execution=job["execution"])
+    info = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    if role == "sample":
+        sampler = Sampler(policy, head_k=job["head_k"])
+        sampler.load(Snapshot.of(policy, version))
+        batch = sampler.generate(job["prompts"], job["params"], job["max_new_tokens"], seed=job["seed"])
+        torch.save({"batch": {f: getattr(batch, f) for f in _BATCH_FIELDS}, "info": info}, out_path)
+    elif role == "score":
+        fields = torch.load(job["batch_path"], weights_only=False)["batch"]
+        batch = RolloutBatch(**fields, sampling=job["params"])
+        logp, head = _score_in_groups(policy, batch, [2, 5, 1])
+        torch.save({"logp": logp, "head": head, "info": info}, out_path)
+    else:
+        raise ValueError(f"role must be 'sample' or 'score', got {role!r}")
+
+
+def cross_process_check(model, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
+                        head_k: int = 8, execution: str = "aligned", envs=CROSS_PROCESS_ENVS,
+                        workdir=None) -> dict:
+    """Sample in one subprocess (environment ``envs[0]``), score in another (``envs[1]``), compare."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from driftless.models import save_model
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        tmp = Path(tmp)
+        save_model(model, tmp / "model.safetensors", version=0)
+        job = {"execution": execution, "prompts": prompts, "params": params, "max_new_tokens": max_new_tokens,
+               "seed": seed, "head_k": head_k, "batch_path": str(tmp / "batch.pt")}
+        torch.save(job, tmp / "job.pt")
+        for role, env, out in (("sample", envs[0], "batch.pt"), ("score", envs[1], "scores.pt")):
+            proc = subprocess.run(
+                [sys.executable, "-m", "driftless.experiments.alignment", role, str(tmp / "model.safetensors"),
+                 str(tmp / "job.pt"), str(tmp / out)],
+                env={**os.environ, **env}, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {role} process failed (environment {env}):\n{proc.stderr[-2000:]}")
+        sampled = torch.load(tmp / "batch.pt", weights_only=False)
+        scored = torch.load(tmp / "scores.pt", weights_only=False)
+    batch = RolloutBatch(**sampled["batch"], sampling=params)
+    result = _compare(batch, scored["logp"], scored["head"])
+    result["sampler_process"] = {**envs[0], **sampled["info"]}
+    result["trainer_process"] = {**envs[1], **scored["info"]}
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker(*sys.argv[1:5])

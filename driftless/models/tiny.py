@@ -8,13 +8,14 @@ One forward function serves a full sequence and incremental decode with a KV cac
 Two execution modes (``model.execution``):
 
 - ``fast``: F.linear, F.rms_norm and SDPA: the quickest plain-PyTorch path.
-- ``aligned``: trainer–inference invariance. Every GEMM is a chunked-row batched matmul
-  (``driftless.ops.batch_invariant``), RMSNorm uses only IEEE-exact sqrt and division, and
-  attention always writes K/V into a fixed-length cache first and reads every query's keys from
-  it over the full context length. Same weights + same history => bitwise-equal logits for any
-  batch size, composition, padding, prefill/decode split and thread count. The aligned forward
-  defines the values; gradients come from a recomputed fast forward (custom autograd), so the
-  backward is the fast path's, validated against float64 in the tests.
+- ``aligned``: trainer–inference invariance by construction (``driftless.ops.exact``). GEMMs,
+  RMSNorm's sum of squares and softmax's sum are float64 sums of integer codes (exact, so their
+  order cannot matter), exp is a fixed polynomial, every other op is a correctly rounded
+  elementwise one, and attention writes K/V into the cache first and reads them from it. Same
+  weights + same history => bitwise-equal logits for any batch size, composition, padding,
+  prefill/decode split, thread count, BLAS and CPU generation. The aligned forward defines the
+  values; gradients come from a recomputed fast forward (custom autograd), so the backward is
+  the fast path's, validated against float64 in the tests.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftless.ops.batch_invariant import DEFAULT_CHUNK, bi_linear, cached_attention
+from driftless.ops.exact import (exact_attention, exact_linear, exact_rms_norm, exact_silu_mul, hidden_slots, kv_grids,
+                                 split_bits, weight_grid)
 from driftless.ops.numerics import Numerics
 
 EXECUTIONS = ("fast", "aligned")
@@ -63,19 +65,36 @@ class TinyLMConfig:
 
 
 class KVCache:
-    """Per-layer K/V ``[B, n_kv_head, max_seq_len, head_dim]``, zero-initialised (inert slots)."""
+    """Per-layer K/V ``[B, n_kv_head, max_seq_len, head_dim]``, zero-initialised (inert slots).
+
+    Aligned execution keeps, instead of K and V, what its attention reads (``ops.exact.kv_grids``):
+    K snapped per slot, V's integer codes and per-slot scale, in float64.
+    """
 
     def __init__(self, config: TinyLMConfig, batch_size: int, dtype=torch.float32, device=None):
-        shape = (batch_size, config.n_kv_head, config.max_seq_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.shape = (batch_size, config.n_kv_head, config.max_seq_len, config.head_dim)
+        self.k = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.aligned: list | None = None  # per layer: (k_grid, v_codes, v_scale)
         self.batch_size = batch_size
+        self.max_len = config.max_seq_len
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v ``[B, n_kv, T, D]`` written at ``positions [B, T]``."""
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
         self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
+
+    def write_aligned(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.aligned is None:
+            b, h, t, d = self.shape
+            device = self.k[0].device
+            self.aligned = [(torch.zeros(self.shape, dtype=torch.float64, device=device),
+                             torch.zeros(self.shape, dtype=torch.float64, device=device),
+                             torch.zeros(b, h, t, 1, dtype=torch.float64, device=device)) for _ in self.k]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        for buf, value in zip(self.aligned[layer], kv_grids(k, v, self.max_len)):
+            buf[rows, :, positions] = value.transpose(1, 2)
 
 
 def rope_tables(config: TinyLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +136,10 @@ class TinyLM(nn.Module):
         cos, sin = rope_tables(c)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.chunk = DEFAULT_CHUNK
         self.numerics: Numerics | None = None  # fake / native quantization of operands (ops.numerics)
+        self.trace: list | None = None  # when a list, aligned forwards append (name, [B, T, ...] output)
+        self._codes: dict = {}
+        self.aligned_gemm = None  # replaces the exact GEMM (only the self-test's negative control does)  # weight codes of aligned GEMMs, keyed by the weights' identity and version
         self.execution = execution
         self.reset_parameters()
 
@@ -197,31 +218,61 @@ class TinyLM(nn.Module):
 
     def _linear(self, x, layer: nn.Linear, aligned: bool):
         if self.numerics is not None:
-            return self.numerics.linear(x, layer.weight, aligned, self.chunk)
-        return bi_linear(x, layer.weight, self.chunk) if aligned else F.linear(x, layer.weight)
+            return self.numerics.linear(x, layer.weight, aligned)
+        return self._exact_linears(x, layer)[0] if aligned else F.linear(x, layer.weight)
+
+    def _exact_linears(self, x, *layers: nn.Linear) -> list[torch.Tensor]:
+        """Aligned ``x @ W^T`` for several weights sharing the input: one exact GEMM, codes cached."""
+        weights = [layer.weight for layer in layers]
+        if self.aligned_gemm is not None:  # the self-test's negative control
+            return [self.aligned_gemm(x, w) for w in weights]
+        key = tuple(id(w) for w in weights)
+        stamp = tuple((w._version, w.data_ptr()) for w in weights)
+        entry = self._codes.get(key)
+        if entry is None or entry[0] != stamp:
+            w = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+            entry = (stamp, weight_grid(w, split_bits(x.shape[-1])[1]))
+            self._codes[key] = entry
+        out = exact_linear(x, grid=entry[1])
+        return list(out.split([w.shape[0] for w in weights], dim=-1))
+
+    def _linears(self, x, aligned: bool, *layers: nn.Linear) -> list[torch.Tensor]:
+        if aligned and self.numerics is None:
+            return self._exact_linears(x, *layers)
+        return [self._linear(x, layer, aligned) for layer in layers]
 
     def _norm(self, x, weight, aligned: bool):
-        if aligned:  # sqrt and division are correctly rounded: no vector/scalar-tail differences
-            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.config.norm_eps) * weight
+        if aligned:
+            return exact_rms_norm(x, weight, self.config.norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.norm_eps)
+
+    def _record(self, name: str, value: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((name, value))
 
     def _forward(self, tokens, cache, start, aligned: bool):
         c = self.config
         b, t = tokens.shape
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]
         if aligned and cache is None:
-            cache = self.new_cache(b)  # aligned attention always reads from a fixed-length cache
+            cache = self.new_cache(b)  # aligned attention always reads K/V back from a cache
         cos = self.rope_cos[positions][:, None]  # [B, 1, T, D]
         sin = self.rope_sin[positions][:, None]
         x = self.embed(tokens)
         scale = 1.0 / math.sqrt(c.head_dim)
         groups = c.n_head // c.n_kv_head
-        if not aligned and cache is not None:
-            span = int(positions.max()) + 1  # keys beyond the furthest position are never visible
+        span = int(positions.max()) + 1  # keys beyond the furthest position are never visible
+        if aligned:
+            hidden = hidden_slots(positions, span, groups)
+        elif cache is not None:
             visible = (torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None])[:, None]
+        record = self._record if aligned and self.trace is not None else None
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm, aligned)
-            q, k, v = (self._linear(h, w, aligned) for w in (layer.wq, layer.wk, layer.wv))
+            q, k, v = self._linears(h, aligned, layer.wq, layer.wk, layer.wv)
+            if record:
+                record(f"layer {i} attn_norm", h)
+                record(f"layer {i} wq|wk|wv", torch.cat([q, k, v], -1))
             q = q.reshape(b, t, c.n_head, c.head_dim).transpose(1, 2)
             k = k.reshape(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
             v = v.reshape(b, t, c.n_kv_head, c.head_dim).transpose(1, 2)
@@ -229,20 +280,36 @@ class TinyLM(nn.Module):
             k = apply_rope(k, cos, sin)
             if self.numerics is not None and self.numerics.kv is not None:
                 k, v = self.numerics.kv_write(k), self.numerics.kv_write(v)  # quantized once, when written
-            if cache is not None:
-                cache.write(i, k, v, positions)
-            if aligned:
-                attn = cached_attention(q, cache.k[i], cache.v[i], positions, self.chunk)
+            if aligned:  # written first, then read back: a query sees the same slots in prefill and decode
+                cache.write_aligned(i, k, v, positions)
+                k_grid, v_codes, v_scale = (buf[:, :, :span] for buf in cache.aligned[i])
+                attn = exact_attention(q, k_grid, v_codes, v_scale, hidden, c.max_seq_len)
             elif cache is None:
                 attn = _sdpa(q, k, v, groups, is_causal=True)
             else:
+                cache.write(i, k, v, positions)
                 attn = _sdpa(q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], groups, attn_mask=visible)
-            x = x + self._linear(attn.transpose(1, 2).reshape(b, t, c.d_model), layer.wo, aligned)
+            attn = attn.transpose(1, 2).reshape(b, t, c.d_model)
+            out = self._linear(attn, layer.wo, aligned)
+            x = x + out
             h = self._norm(x, layer.mlp_norm, aligned)
-            gate, up = self._linear(h, layer.w_gate, aligned), self._linear(h, layer.w_up, aligned)
-            x = x + self._linear(F.silu(gate) * up, layer.w_down, aligned)
+            gate, up = self._linears(h, aligned, layer.w_gate, layer.w_up)
+            act = exact_silu_mul(gate, up) if aligned else F.silu(gate) * up
+            down = self._linear(act, layer.w_down, aligned)
+            x = x + down
+            if record:
+                record(f"layer {i} attention", attn)
+                record(f"layer {i} wo", out)
+                record(f"layer {i} mlp_norm", h)
+                record(f"layer {i} w_gate|w_up", torch.cat([gate, up], -1))
+                record(f"layer {i} silu*up", act)
+                record(f"layer {i} w_down", down)
         x = self._norm(x, self.final_norm, aligned)
-        return self._linear(x, self.lm_head, aligned)
+        logits = self._linear(x, self.lm_head, aligned)
+        if record:
+            record("final_norm", x)
+            record("lm_head", logits)
+        return logits
 
     # ------------------------------------------------------------------ the Policy interface
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:

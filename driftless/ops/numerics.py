@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from driftless.ops.batch_invariant import bi_linear
+from driftless.ops.exact import exact_linear, substitute
 from driftless.ops.quant import MINIFLOATS, SCALED_FORMATS, QuantSpec, _int_bits, minifloat_qdq
 
 TRAINER_NUMERICS = ("fp", "fwd-fq", "fwd-bwd-fq", "native")
@@ -62,16 +62,14 @@ class Numerics:
             return replace(self, backward=QuantSpec(grad.fmt, "row"), native=False)
         return replace(self, backward=None, native=True)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, aligned: bool, chunk: int) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, aligned: bool) -> torch.Tensor:
         w = self.weight.fake(weight, self.ste) if self.weight is not None else weight
         a = self.act.fake(x, self.ste) if self.act is not None else x
-        if self.native:
-            exact = native_matmul(x.detach(), weight.detach(), self.act, self.weight)
-            approx = F.linear(a, w)
-            return approx + (exact - approx).detach()  # values: exact codes; gradient: STE
+        if self.native:  # values: exact codes (the same in both modes); gradient: STE through F.linear
+            return substitute(native_matmul(x.detach(), weight.detach(), self.act, self.weight), F.linear(a, w))
         if self.backward is not None:
-            return _QuantGradLinear.apply(a, w, self.backward, aligned, chunk)
-        return bi_linear(a, w, chunk) if aligned else F.linear(a, w)
+            return _QuantGradLinear.apply(a, w, self.backward, aligned)
+        return exact_linear(a, w) if aligned else F.linear(a, w)
 
     def kv_write(self, t: torch.Tensor) -> torch.Tensor:
         return self.kv.fake(t, self.ste) if self.kv is not None else t
@@ -104,10 +102,10 @@ class _QuantGradLinear(torch.autograd.Function):
     """y = x W^T; backward quantizes the incoming gradient before DGrad and WGrad."""
 
     @staticmethod
-    def forward(ctx, x, w, grad_spec, aligned, chunk):
+    def forward(ctx, x, w, grad_spec, aligned):
         ctx.save_for_backward(x, w)
         ctx.grad_spec = grad_spec
-        return bi_linear(x, w, chunk) if aligned else F.linear(x, w)
+        return exact_linear(x, w) if aligned else F.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -115,4 +113,4 @@ class _QuantGradLinear(torch.autograd.Function):
         g = ctx.grad_spec(grad_out)
         grad_x = g @ w
         grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from driftless.ops.exact import pow2
+
 MINIFLOATS = {  # name: (mantissa bits, minimum normal exponent, max finite value, emax)
     "e4m3": (3, -6, 448.0, 8),
     "e5m2": (2, -14, 57344.0, 15),
@@ -68,7 +70,7 @@ def minifloat_qdq(x: torch.Tensor, element: str) -> torch.Tensor:
     x = x.float()
     _, e = torch.frexp(x)  # |x| = m · 2^e, m in [0.5, 1)
     exp = torch.clamp(e - 1, min=min_exp)  # floor(log2 |x|), subnormals share the minimum exponent
-    quantum = torch.ldexp(torch.ones_like(x), exp - mant)
+    quantum = pow2(exp - mant).float()  # built from bits: exact on every CPU
     q = torch.round(x / quantum) * quantum  # exact: division and product by powers of two
     return q.clamp(-max_val, max_val)
 
@@ -126,7 +128,7 @@ def qdq(x: torch.Tensor, fmt: str, granularity: str = "tensor", group_size: int 
             emax = MINIFLOATS[element][3]
             _, e = torch.frexp(amax)
             scale_exp = torch.clamp(e - 1 - emax, -127, 127)  # E8M0 range
-            scale = torch.ldexp(torch.ones_like(amax), scale_exp)
+            scale = pow2(scale_exp).to(amax.dtype)
             out = minifloat_qdq(blocks / scale, element) * scale
             out = torch.where(amax > 0, out, torch.zeros_like(out))
         return out.reshape(x.shape)

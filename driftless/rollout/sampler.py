@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.sampling import SamplingParams, sampling_logprobs
+from driftless.rollout.sampling import SamplingParams, is_aligned, sampling_logprobs
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Sampler:
         if self.version is None:
             raise ValueError("the sampler has no weight version: call load(Snapshot(state, version)) first")
         policy = self.policy
+        exact = is_aligned(policy)
         ctx, vocab = policy.max_seq_len, policy.vocab_size
         if not prompts:
             raise ValueError("prompts is empty")
@@ -106,7 +107,7 @@ class Sampler:
             active = ~done & (pos < limit)
             if not active.any():
                 break
-            logq = sampling_logprobs(last, params)  # [B, V] under the exact transform
+            logq = sampling_logprobs(last, params, exact=exact)  # [B, V] under the exact transform
             if params.greedy:
                 tok = logq.argmax(-1)
             else:

@@ -7,6 +7,11 @@ the smallest prefix of tokens, by decreasing probability, whose mass reaches ``t
 drawn token's entry; the trainer applies the very same function to its own logits, so that in
 aligned mode both sides compute identical bits, and in any mode the recorded q is the
 probability that actually sampled the token.
+
+``exact=True`` (what aligned execution uses) computes the same transform with the
+machine-independent arithmetic of ``driftless.ops.exact``: an exact log-sum-exp, and the top-p
+cumulative mass as exact integer sums, so sampler and trainer get the same bits even in
+different processes on different CPUs.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from driftless.ops.exact import exact_log_softmax, exp64, reduction_bits
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
 
-def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """log q ``[..., V]`` under the transform; differentiable in ``logits`` (except greedy)."""
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, *, exact: bool = False) -> torch.Tensor:
+    """log q ``[..., V]`` under the transform; differentiable in ``logits`` (except greedy).
+
+    ``exact``: machine-independent bits (aligned execution); otherwise torch's own kernels.
+    """
     v = logits.shape[-1]
     if params.top_k > v:
         raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({v})")
@@ -45,18 +55,30 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         out = torch.full_like(x, float("-inf"))
         return out.scatter(-1, best, 0.0) + 0.0 * x  # keeps the graph; value 0 at argmax
     if params.temperature != 1.0:
-        x = x / params.temperature
+        x = x / params.temperature  # one correctly rounded division
     if 0 < params.top_k < v:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-        drop_sorted = before >= params.top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        if exact:  # masses as integer codes: exact cumulative sums in any order
+            bits = reduction_bits(v)
+            e = exp64(sorted_x.double() - sorted_x[..., :1].double())
+            codes = torch.round(e * 2.0**(bits - 1))
+            before = torch.cumsum(codes, dim=-1) - codes
+            drop_sorted = before >= params.top_p * codes.sum(-1, keepdim=True)
+        else:
+            probs = torch.softmax(sorted_x, dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+            drop_sorted = before >= params.top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+    return exact_log_softmax(x) if exact else torch.log_softmax(x, dim=-1)
+
+
+def is_aligned(policy) -> bool:
+    """Whether ``policy`` promises trainer–inference invariance (and so wants the exact transform)."""
+    return getattr(policy, "execution", "fast") == "aligned"
 
 
 def entropy_from_logprobs(logq: torch.Tensor) -> torch.Tensor:

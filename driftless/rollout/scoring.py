@@ -13,7 +13,7 @@ import torch
 
 from driftless.ops.logprobs import TokenLogprobs, extract_logprobs
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.sampling import SamplingParams, entropy_from_logprobs, sampling_logprobs
+from driftless.rollout.sampling import SamplingParams, entropy_from_logprobs, is_aligned, sampling_logprobs
 
 
 def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
@@ -30,14 +30,15 @@ def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
         head_ids = head_ids[..., :head_k]
     body_head = None if head_ids is None else head_ids[:, 1:]
     plain = not transform.greedy and transform.top_k == 0 and transform.top_p == 1.0
-    if plain and getattr(policy, "execution", "fast") != "aligned":
+    aligned = is_aligned(policy)
+    if plain and not aligned:
         # temperature only, and no bitwise promise to keep: the chunked, memory-bounded path
         scaled = logits if transform.temperature == 1.0 else logits / transform.temperature
         out = extract_logprobs(scaled, tokens[:, 1:], body_head)
         logp, head, entropy = out.logp, out.head_logp, out.entropy
     else:
         # the sampler's own transform function: in aligned mode, the same bits as the sampler
-        logq = sampling_logprobs(logits, transform)
+        logq = sampling_logprobs(logits, transform, exact=aligned)
         logp = logq.gather(-1, tokens[:, 1:, None]).squeeze(-1)
         head = None if body_head is None else logq.gather(-1, body_head)
         entropy = entropy_from_logprobs(logq)

@@ -1,0 +1,289 @@
+"""Kernels whose bits do not depend on the machine: the arithmetic of aligned execution.
+
+Aligned execution promises the same bits for a sequence whatever the batch, padding,
+prefill/decode split, thread count, BLAS code path or CPU generation. Floating-point reductions
+cannot promise that (their order changes with all of these), and neither can vectorised
+transcendental functions (their polynomials change with the SIMD width). So aligned mode uses
+only three kinds of operation, each exact or correctly rounded by IEEE 754 on every machine:
+
+1. **Elementwise + − × ÷ √, comparisons, max, round, casts** (each result correctly rounded,
+   one kernel per operation, so nothing can be fused into an FMA), and powers of two built from
+   their bits (``pow2``).
+2. **Integer arithmetic in float64.** An operand is written as fixed-point codes along its
+   reduction dimension, ``x ≈ c · 2^(e − b)`` with integers ``|c| ≤ 2^b`` and ``e`` the exponent
+   of the row's largest magnitude (``fixed_point``). A product of codes is an integer below
+   ``2^(b_x + b_y)`` and a sum of ``K`` of them stays below ``2^53`` when
+   ``b_x + b_y + ⌈log2 K⌉ ≤ 53``: every partial sum is then an exactly representable integer,
+   so **any** summation order (any blocking, threading, SIMD width or BLAS) gives the same
+   result. GEMMs (``exact_linear``, attention) and sums (``exact_sum``) are float64 GEMMs /
+   sums of such codes, scaled back by powers of two (exact) and rounded once.
+3. **exp and log from (1)**: ``exp64`` / ``log64`` evaluate fixed polynomials in float64 with
+   separate multiply and add kernels, so they give the same bits on any CPU (unlike
+   ``torch.exp``, whose AVX2 and AVX-512 kernels may differ in the last place).
+
+Precision: ``b ≈ 21–23`` bits per operand relative to the row maximum, comparable to an fp32
+GEMM's own rounding (about 2^-24 per product, plus the accumulation error that exact sums do
+not have). This is the Ozaki-style exact-accumulation idea (Ozaki et al., 2012) with one slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MANTISSA = 53  # float64 significand bits: integers up to 2^53 are exact
+_EXP_LO, _EXP_HI = -900, 1000  # clamp for row exponents (keeps every pow2 argument in range)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** e`` in float64, exactly, for integer ``e`` in [-1022, 1023] (assembled from bits)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _pow2_f32(e: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** e`` in float32, exactly, for integer (int32) ``e`` in [-126, 127]."""
+    return ((e + 127) << 23).view(torch.float32)
+
+
+def exponent_bound(a: torch.Tensor) -> torch.Tensor:
+    """Integer ``e`` with ``a < 2^e`` for finite ``a >= 0`` (float64 or float32), read from the bits."""
+    if a.dtype == torch.float32:
+        return ((a.view(torch.int32) >> 23) & 0xFF).long() - 126
+    biased = (a.double().view(torch.int64) >> 52) & 0x7FF
+    return (biased - 1022).clamp(_EXP_LO, _EXP_HI)
+
+
+def reduction_bits(k: int) -> int:
+    """Total code bits for two operands of a length-``k`` dot product: sums of ``k`` products stay exact."""
+    if k < 1:
+        raise ValueError(f"reduction length must be >= 1, got {k}")
+    return MANTISSA - math.ceil(math.log2(k)) if k > 1 else MANTISSA
+
+
+def split_bits(k: int) -> tuple[int, int]:
+    total = reduction_bits(k)
+    return total // 2, total - total // 2
+
+
+def fixed_point(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x ≈ codes · 2^(e − bits)`` with integer codes ``|codes| ≤ 2^bits`` and ``e`` per slice along ``dim``.
+
+    ``e`` is read from the slice's largest magnitude only, so a row's codes never depend on the
+    other rows of the tensor. Returns (codes float64, e int64 with ``dim`` kept as size 1).
+    """
+    x = x.double()
+    e = exponent_bound(x.abs().amax(dim, keepdim=True))
+    return torch.round(x * pow2(bits - e)), e
+
+
+def snap(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded onto the grid of its row (last dim): multiples of 2^(e − bits), ``|x| < 2^e``; float64.
+
+    Two snapped operands multiply and add exactly in float64 when their ``bits`` and the
+    reduction length satisfy ``reduction_bits``: the products of a dot product share one quantum.
+    float32 input is snapped in float32 (exact: power-of-two scalings and round), then widened.
+    """
+    amax = x.abs().amax(-1, keepdim=True)
+    if x.dtype == torch.float32:
+        e = torch.frexp(amax)[1].clamp_(bits - 126, 127 + bits)  # amax < 2^e; both scales stay normal floats
+        return (torch.round(x * _pow2_f32(bits - e)) * _pow2_f32(e - bits)).double()
+    e = exponent_bound(amax.double())
+    return torch.round(x.double() * pow2(bits - e)) * pow2(e - bits)
+
+
+def exact_sum(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Order-independent sum along ``dim`` (float64, keepdim); ``bits`` ≤ 53 − ⌈log2 n⌉ for n terms."""
+    codes, e = fixed_point(x, bits, dim)
+    return codes.sum(dim, keepdim=True) * pow2(e - bits)
+
+
+# ---------------------------------------------------------------- GEMMs
+def weight_grid(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """A ``[N, K]`` weight snapped per output row and transposed for ``x @ W^T``: ``[K, N]`` float64."""
+    return snap(weight.detach(), bits).t().contiguous()
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor | None = None, *, grid: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T`` (no bias), fp32 result, the same bits on any machine for each row.
+
+    ``grid`` may pass a precomputed ``weight_grid(weight, split_bits(K)[1])`` (cached per weight version).
+    """
+    bx, bw = split_bits(x.shape[-1])
+    if grid is None:
+        grid = weight_grid(weight, bw)
+    return torch.matmul(snap(x, bx), grid).float()  # one quantum per output: exact in any order
+
+
+# ---------------------------------------------------------------- exp and log
+_INV_LN2 = 1.4426950408889634
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that n · LN2_HI is exact (fdlibm)
+_LN2_LO = 1.90821492927058770002e-10
+_EXP_COEF = [1.0 / math.factorial(i) for i in range(10)]  # Taylor series, |r| <= ln2/2: rel. error < 1e-11
+_SQRT2 = math.sqrt(2.0)
+
+
+def exp64(z: torch.Tensor) -> torch.Tensor:
+    """``e^z`` in float64 (|relative error| < 1e-11), bitwise the same on any CPU; ``-inf`` → 0.
+
+    z = n·ln2 + r with |r| ≤ ln2/2; e^r by Horner's rule; 2^n from its bits.
+    """
+    z = z.double()
+    zc = z.clamp(-708.0, 709.0)
+    n = torch.round(zc * _INV_LN2)
+    r = (zc - n * _LN2_HI) - n * _LN2_LO
+    p = torch.full_like(r, _EXP_COEF[-1])
+    for c in reversed(_EXP_COEF[:-1]):
+        p = p * r + c
+    out = p * pow2(n)
+    return torch.where(z < -708.0, torch.zeros_like(out), out)
+
+
+_EXPF_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+              5.0000001201e-1)  # Cephes expf: e^r ≈ 1 + r + r² P(r) on |r| ≤ ln2/2
+_LN2_HI32, _LN2_LO32 = 0.693359375, -2.12194440e-4
+
+
+def exp32(z: torch.Tensor, underflow_to_zero: bool = True) -> torch.Tensor:
+    """``e^z`` in float32 (within 2 ulp), bitwise the same on any CPU; ``-inf`` → 0.
+
+    The float32 counterpart of ``exp64`` (half the memory traffic), for values that are rounded
+    to float32 anyway (SiLU) or only weight an exact sum (softmax). Without
+    ``underflow_to_zero``, z < −87 gives e^−87 instead of 0 (one operation less; SiLU cannot tell).
+    """
+    z = z.float()
+    zc = z.clamp(-87.0, 88.0)
+    n = torch.round(zc * 1.44269504088896341)
+    r = (zc - n * _LN2_HI32) - n * _LN2_LO32
+    p = torch.full_like(r, _EXPF_POLY[0])
+    for c in _EXPF_POLY[1:]:
+        p = p * r + c
+    out = ((p * r) * r + r + 1.0) * _pow2_f32(n.int())
+    return out.masked_fill(z < -87.0, 0.0) if underflow_to_zero else out
+
+
+def log64(s: torch.Tensor) -> torch.Tensor:
+    """``ln s`` in float64 for finite normal ``s > 0``, bitwise the same on any CPU.
+
+    s = m · 2^E with m in [√½, √2); ln m = 2 atanh(u), u = (m − 1)/(m + 1), |u| ≤ 0.172.
+    """
+    s = s.double()
+    e = ((s.view(torch.int64) >> 52) & 0x7FF) - 1023
+    m = s * pow2(-e)  # [1, 2)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)
+    e = e + big.long()
+    u = (m - 1.0) / (m + 1.0)
+    u2 = u * u
+    p = torch.full_like(u, 1.0 / 21)
+    for k in range(19, 0, -2):
+        p = p * u2 + 1.0 / k
+    ef = e.double()
+    return ef * _LN2_HI + (ef * _LN2_LO + 2.0 * u * p)
+
+
+# ---------------------------------------------------------------- model pieces
+def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with an exact sum of squares (of x snapped to its row grid); fp32 result."""
+    d = x.shape[-1]
+    xs = snap(x, reduction_bits(d) // 2)
+    rms = torch.sqrt((xs * xs).sum(-1, keepdim=True) / d + eps).float()  # the sum is exact
+    return x / rms * weight
+
+
+def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` = gate / (1 + e^(−gate)) · up, each step one correctly rounded fp32 operation."""
+    g = gate.float()
+    return g / (1.0 + exp32(-g, underflow_to_zero=False)) * up
+
+
+def exact_softmax_parts(z: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``z = x − max(x)`` (≤ 0, −inf masked): (e^z, Σ e^z) with an exact, order-free sum."""
+    e = exp64(z)
+    return e, exact_sum(e, bits, dim)
+
+
+def kv_grids(k: torch.Tensor, v: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What aligned attention keeps per cached slot: K snapped per slot (over D), V as integer
+    codes per slot and the slot's scale 2^(f − b) (float64). Each depends on that slot alone."""
+    bk = split_bits(k.shape[-1])[1]
+    bv = split_bits(max_len)[1]
+    v_codes, v_exp = fixed_point(v, bv)
+    return snap(k, bk), v_codes, pow2(v_exp - bv)
+
+
+def hidden_slots(q_pos: torch.Tensor, span: int, groups: int) -> torch.Tensor:
+    """``[B, 1, groups·Tq, span]`` True where slot j is not visible to the query (j > its position)."""
+    b, tq = q_pos.shape
+    hidden = torch.arange(span, device=q_pos.device)[None, None, :] > q_pos[:, :, None]  # [B, Tq, S]
+    return hidden[:, None].expand(b, groups, tq, span).reshape(b, 1, groups * tq, span)
+
+
+def exact_attention(q: torch.Tensor, k_grid: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                    hidden: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Causal attention over cached slots, grouped-query heads without copying K/V; fp32 ``[B, H, Tq, D]``.
+
+    q ``[B, H, Tq, D]`` (scaled, rotated); ``k_grid, v_codes [B, Hkv, S, D]`` and ``v_scale
+    [B, Hkv, S, 1]`` from ``kv_grids`` for at least every visible slot; ``hidden`` from
+    ``hidden_slots`` (slot j is visible iff j ≤ the query's position). ``max_len`` (the context)
+    fixes the code widths, so a query's result depends neither on how many slots are passed nor
+    on the other queries or rows.
+
+    Scores: q and K snapped per row (reduction over D), one exact GEMM. Softmax with ``exp64``
+    and an exact sum. P·V reduces over slots while V's codes are per slot, V[j] = c_j · s_j, so
+    s_j is folded into P first (an exact scaling) and P·s is snapped per query row.
+    """
+    b, h, tq, d = q.shape
+    h_kv = k_grid.shape[1]
+    rows = q.reshape(b, h_kv, h // h_kv * tq, d)  # rows ordered (group, position)
+    scores = torch.matmul(snap(rows, split_bits(d)[0]), k_grid.transpose(-1, -2))  # exact, float64
+    scores = scores.masked_fill(hidden, float("-inf"))
+    e = exp32((scores - scores.amax(-1, keepdim=True)).float()).double()  # max e = e^0 = 1 exactly
+    unit = float(2 ** (reduction_bits(max_len) - 1))
+    total = torch.round(e * unit).sum(-1, keepdim=True) / unit  # integer codes: an exact sum
+    p = snap(e / total * v_scale.transpose(-1, -2), split_bits(max_len)[0])
+    return torch.matmul(p, v_codes).float().reshape(b, h, tq, d)
+
+
+# ---------------------------------------------------------------- log-softmax with a gradient
+class _ExactLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = exact_log_softmax_values(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad - out.exp() * grad.sum(-1, keepdim=True)
+
+
+def exact_log_softmax_values(x: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the last dim (−inf entries stay −inf), fp32, bitwise the same on any CPU."""
+    x = x.double()
+    z = x - x.amax(-1, keepdim=True)
+    _, total = exact_softmax_parts(z, reduction_bits(x.shape[-1]))
+    return (z - log64(total)).float()
+
+
+def exact_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Differentiable: values from ``exact_log_softmax_values``, gradient of log-softmax."""
+    return _ExactLogSoftmax.apply(x)
+
+
+class _Substitute(torch.autograd.Function):
+    """Value of ``value``, gradient routed to ``surrogate`` (a straight-through substitution)."""
+
+    @staticmethod
+    def forward(ctx, value, surrogate):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def substitute(value: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
+    """Returns exactly ``value``'s bits; gradients flow into ``surrogate`` as if it had been returned."""
+    return _Substitute.apply(value.detach(), surrogate)
