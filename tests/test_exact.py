@@ -59,7 +59,7 @@ def test_exact_sum_is_order_free(seed, n):
 
 def test_codes_fit_their_bits():
     x = torch.tensor([[3.0, -1.0, 0.5], [0.0, 0.0, 0.0], [1e-40, 2e-40, -3e-40]])
-    codes, e = fixed_point(x, 20)
+    codes, _ = fixed_point(x, 20)
     assert codes.abs().max() <= 2**20
     assert torch.equal(codes[1], torch.zeros(3, dtype=torch.float64))
     s = snap(x, 20)

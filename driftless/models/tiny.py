@@ -27,8 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftless.ops.exact import (exact_attention, exact_linear, exact_rms_norm, exact_silu_mul, hidden_slots, kv_grids,
-                                 split_bits, weight_grid)
+from driftless.ops.exact import (
+    exact_attention,
+    exact_linear,
+    exact_rms_norm,
+    exact_silu_mul,
+    hidden_slots,
+    kv_grids,
+    split_bits,
+    weight_grid,
+)
 from driftless.ops.numerics import Numerics
 
 EXECUTIONS = ("fast", "aligned")
@@ -87,7 +95,7 @@ class KVCache:
 
     def write_aligned(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         if self.aligned is None:
-            b, h, t, d = self.shape
+            b, h, t, _ = self.shape
             device = self.k[0].device
             self.aligned = [(torch.zeros(self.shape, dtype=torch.float64, device=device),
                              torch.zeros(self.shape, dtype=torch.float64, device=device),
