@@ -1,7 +1,8 @@
-"""Verifiable tasks (Countdown, arithmetic) and the character tokenizer for the built-in model."""
+"""Verifiable tasks (Countdown, arithmetic, first-token) and the character tokenizer for the built-in model."""
 
 from driftless.tasks.arithmetic import Arithmetic
 from driftless.tasks.countdown import Countdown, CountdownConfig, score
+from driftless.tasks.first_token import FirstToken
 from driftless.tasks.tokenizer import CharTokenizer
 
 
@@ -10,7 +11,9 @@ def make_task(name: str, **kwargs):
         return Countdown(CountdownConfig(**kwargs))
     if name == "arithmetic":
         return Arithmetic(**kwargs)
-    raise ValueError(f"unknown task {name!r}; choose countdown or arithmetic")
+    if name == "first-token":
+        return FirstToken(**kwargs)
+    raise ValueError(f"unknown task {name!r}; choose countdown, arithmetic or first-token")
 
 
-__all__ = ["Arithmetic", "CharTokenizer", "Countdown", "CountdownConfig", "make_task", "score"]
+__all__ = ["Arithmetic", "CharTokenizer", "Countdown", "CountdownConfig", "FirstToken", "make_task", "score"]

@@ -48,26 +48,32 @@ class ModelSection:
         _positive("model", self, "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len")
 
 
+TASKS = ("countdown", "arithmetic", "first-token")
+
+
 @dataclass
 class TaskSection:
-    name: str = "countdown"  # countdown | arithmetic
+    name: str = "countdown"  # countdown | arithmetic | first-token
     n_numbers: int = 3
     min_number: int = 1
     max_number: int = 9
     max_target: int = 100
     ops: str = "+-*/"
     max_operand: int = 20  # arithmetic only
+    target: str = "7"  # first-token only: the rewarded first character
 
     def __post_init__(self):
-        if self.name not in ("countdown", "arithmetic"):
-            raise ValueError(f"task.name must be 'countdown' or 'arithmetic', got {self.name!r}")
+        if self.name not in TASKS:
+            raise ValueError(f"task.name must be one of {', '.join(TASKS)}, got {self.name!r}")
         self.build()  # validates the task's own knobs
 
     def build(self):
-        from driftless.tasks import Arithmetic, Countdown, CountdownConfig
+        from driftless.tasks import Arithmetic, Countdown, CountdownConfig, FirstToken
 
         if self.name == "arithmetic":
             return Arithmetic(self.max_operand)
+        if self.name == "first-token":
+            return FirstToken(self.target)
         return Countdown(CountdownConfig(self.n_numbers, self.min_number, self.max_number, self.max_target, self.ops))
 
 
