@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from driftless.objectives import group_advantages, shape_rewards
-from driftless.rollout import Sampler, SamplingParams, Snapshot
+from driftless.rollout import Sampler, SamplingParams
 from driftless.tasks import CharTokenizer
 from driftless.train import load_config, train
 from driftless.train.loop import Run
