@@ -81,9 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--problems", type=int, help="how many held-out problems (default: the run's)")
     ev.set_defaults(func=_eval)
 
-    d = sub.add_parser("demo", help="the main job on the embedded default: pg vs tis vs sc under mismatch")
+    cal = sub.add_parser("calibrate", help="train named settings without mismatch, several seeds; held-out gains")
+    cal.add_argument("--settings", nargs="+", default=None, help="names from driftless.experiments.calibrate.SETTINGS")
+    cal.add_argument("--seeds", type=int, default=3)
+    cal.add_argument("--workers", type=int, default=2)
+    cal.add_argument("--run-dir", default="runs/calibration")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.set_defaults(func=_calibrate)
+
+    d = sub.add_parser("demo", help="the main job: no-mismatch baseline, then pg vs tis vs sc under mismatch")
     d.add_argument("--config", default=None, help="base config (default: configs/demo.yaml settings)")
-    d.add_argument("--methods", nargs="+", default=["pg", "tis", "sc"])
+    d.add_argument("--methods", nargs="+", default=["baseline", "pg", "tis", "sc"],
+                   help="objective presets, and 'baseline' (pg without the mismatch view)")
+    d.add_argument("--workers", type=int, default=None, help="runs trained at once (default: min(2, CPUs))")
     d.add_argument("--seeds", type=int, default=3, help="RL seeds per method (the warm start is shared)")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--no-progress", action="store_true")
@@ -144,11 +154,20 @@ def _eval(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from driftless.experiments.calibrate import run_calibration
+
+    report = run_calibration(args.run_dir, settings=args.settings, seeds=args.seeds, workers=args.workers,
+                             progress=not args.no_progress)
+    print(report.read_text())
+    return 0
+
+
 def _demo(args) -> int:
     from driftless.experiments.demo import run_demo
 
     report = run_demo(args.run_dir, methods=args.methods, seeds=args.seeds, config_path=args.config,
-                      overrides=args.overrides, progress=not args.no_progress)
+                      overrides=args.overrides, progress=not args.no_progress, workers=args.workers)
     print(report.read_text())
     return 0
 

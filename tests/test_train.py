@@ -216,10 +216,13 @@ def test_demo_and_eval_commands(tmp_path, capsys):
     from driftless.cli import main
 
     overrides = [*TINY, "train.steps=2", "train.eval_every=1", "mismatch.view=noise:0.05"]
-    assert main(["demo", "--run-dir", str(tmp_path / "demo"), "--methods", "pg", "sc", "--seeds", "2",
-                 "--no-progress", *overrides]) == 0
+    assert main(["demo", "--run-dir", str(tmp_path / "demo"), "--methods", "baseline", "pg", "sc", "--seeds", "2",
+                 "--workers", "2", "--no-progress", *overrides]) == 0
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "| pg |" in report and "| sc |" in report and (tmp_path / "demo" / "eval_reward.png").exists()
+    assert "| baseline |" in report and "steps to threshold" in report
+    base = [json.loads(x) for x in (tmp_path / "demo" / "baseline" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["kl_k3"] < 1e-9 for r in base)  # the baseline samples without the mismatch view
     assert (tmp_path / "demo" / "sc" / "seed1" / "metrics.jsonl").exists()
     first = [json.loads(x) for x in (tmp_path / "demo" / "pg" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     second = [json.loads(x) for x in (tmp_path / "demo" / "pg" / "seed1" / "metrics.jsonl").read_text().splitlines()]
