@@ -46,8 +46,8 @@ def run_calibration(run_dir="runs/calibration", *, settings=None, seeds: int = 3
     t0 = time.time()
     train_many(config_path, jobs, workers=workers, progress=progress, desc="calibration")
     lines = ["# Calibration runs", "",
-             f"`driftless calibrate --settings {' '.join(names)} --seeds {seeds}` ({time.time() - t0:.0f} s with "
-             f"{workers} worker(s)); held-out greedy reward on 256 problems; mean [min, max] over seeds.", "",
+             (f"`driftless calibrate --settings {' '.join(names)} --seeds {seeds}` ({time.time() - t0:.0f} s with "
+              f"{workers} worker(s)); held-out greedy reward on 256 problems; mean [min, max] over seeds."), "",
              "| setting | overrides | initial | final | best | gain final − initial | min gain | s/step |",
              "|---|---|---|---|---|---|---|---|"]
     for n in names:

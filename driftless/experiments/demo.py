@@ -152,8 +152,9 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config) -> Path
     header = ("| method | initial eval | final eval | best eval | AUC (mean eval) | steps to threshold | "
               "final train reward | mean KL(q‖p) | max p/q | s/step |")
     lines = ["# driftless demo", "", setting, "",
-             f"Threshold: {threshold:.3f}, halfway from the initial held-out reward to the baseline's mean final "
-             "one (steps: the first evaluation at or above it; `—` = never, counted as the run length in the mean).",
+             (f"Threshold: {threshold:.3f}, halfway from the initial held-out reward to the baseline's mean final "
+              "one (steps: the first evaluation at or above it; runs that never reach it count as the run length "
+              "and are marked 'never')."),
              "", header, "|---|---|---|---|---|---|---|---|---|---|"]
     for method, paths in runs.items():
         s = [summarize(p) for p in paths]
