@@ -138,11 +138,13 @@ def _mismatch_table(args) -> int:
 
 
 def _train(args) -> int:
+    from driftless.experiments.report import write_run_report
     from driftless.train import load_config, train
 
     config = load_config(args.config, args.overrides)
     run_dir = train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite,
                     progress=not args.no_progress)
+    write_run_report(run_dir)
     print(f"run written to {run_dir} (report: {run_dir / 'report.md'})")
     return 0
 

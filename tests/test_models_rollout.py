@@ -288,16 +288,16 @@ def test_aligned_gradients_match_fast_and_float64():
 def test_selftest_catches_a_non_invariant_kernel(monkeypatch):
     import torch.nn.functional as F
 
-    assert invariance_failures(SMALL) == []
-    failures = invariance_failures(TinyLMConfig(), gemm=lambda x, w: F.linear(x, w))  # plain fp32 GEMMs
+    assert invariance_failures(SMALL, TinyLM) == []
+    failures = invariance_failures(TinyLMConfig(), TinyLM, gemm=lambda x, w: F.linear(x, w))  # plain fp32 GEMMs
     assert failures  # caught, and the first differing operation is named with its shape
     assert "first at layer 0 wq|wk|wv (output shape" in failures[0]
     import driftless.models.selftest as st
 
     monkeypatch.setattr(st, "_CACHE", {})
-    monkeypatch.setattr(st, "invariance_failures", lambda config: ["decode differs"])
+    monkeypatch.setattr(st, "invariance_failures", lambda config, cls: ["decode differs"])
     with pytest.raises(AlignmentError, match="not bitwise invariant"):
-        ensure_aligned(SMALL)
+        ensure_aligned(SMALL, TinyLM)
     with pytest.raises(AlignmentError):
         TinyLM(SMALL, execution="aligned")
 

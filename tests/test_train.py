@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from driftless.experiments.report import write_run_report
 from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
 from driftless.train import Run, load_config
 from driftless.train.loop import TIMING_KEYS
@@ -147,6 +148,7 @@ def test_a_few_steps_log_every_metric(tmp_path, preset):
     assert "eval_reward" in rows[2] and rows[0]["kl_k3"] > 0
     if preset.startswith("sc"):
         assert "sampler_head_mass" in rows[0] and "centering_l1" in rows[0]
+    write_run_report(tmp_path)  # the caller writes the report (train does not import experiments)
     for name in ("config.yaml", "report.md", "plots/training.png", "checkpoints/latest"):
         assert (tmp_path / name).exists(), name
 
@@ -178,19 +180,19 @@ def test_a_fresh_run_refuses_to_clobber_a_saved_one(tmp_path):
 def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
     run = Run(tiny_config("train.steps=3"), tmp_path)
     before = {k: v.clone() for k, v in run.policy.state_dict().items()}
-    real = run.objective
-    run.objective = lambda view, batch: (view.logp.sum() * float("nan"), {})  # NaN gradients
+    real = run.learner.objective
+    run.learner.objective = lambda view, batch: (view.logp.sum() * float("nan"), {})  # NaN gradients
     m = run.step()
     assert m["skipped_steps"] == 1 and m["version"] == 0
 
     def raising(view, batch):
         raise FloatingPointError("non-finite loss")
-    run.objective = raising
+    run.learner.objective = raising
     m = run.step()
     assert m["skipped_steps"] == 2 and m["version"] == 0
     for k, v in run.policy.state_dict().items():
         assert torch.equal(v, before[k])
-    run.objective = real
+    run.learner.objective = real
     m = run.step()
     assert m["version"] == 1 and m["skipped_steps"] == 2
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from driftless.diagnostics.metrics import kl_k3
+from driftless.models.protocols import SupportsNumerics
 from driftless.rollout import RolloutBatch, Sampler, SamplingParams, Snapshot, score_batch
 
 
@@ -51,7 +52,8 @@ def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens
     ``view``: a sampler mismatch view; ``trainer_numerics``: the trainer's forward numerics.
     """
     trainer = make_policy()
-    trainer.numerics = trainer_numerics if hasattr(trainer, "numerics") else None
+    if isinstance(trainer, SupportsNumerics):
+        trainer.numerics = trainer_numerics
     sampler = Sampler(make_policy(), head_k=head_k, view=view)
     sampler.load(Snapshot.of(trainer, 0))
     totals = {"tokens": 0, "equal": 0.0, "max": 0.0, "kl_sum": 0.0}

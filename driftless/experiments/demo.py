@@ -24,7 +24,7 @@ from tqdm import tqdm
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics, summarize
+from driftless.experiments.report import eval_curve, read_metrics, summarize, write_run_report
 from driftless.train import load_config, train
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -48,7 +48,9 @@ def _train_one(config_path, overrides, path, threads: int) -> str:
 
     torch.set_num_threads(threads)
     cfg = load_config(config_path, overrides)
-    return str(train(cfg, path, overwrite=True, progress=False))  # regenerable: a demo overwrites
+    run_dir = train(cfg, path, overwrite=True, progress=False)  # regenerable: a demo overwrites
+    write_run_report(run_dir)
+    return str(run_dir)
 
 
 def run_demo(run_dir="runs/demo", *, methods=METHODS, seeds: int = 3, config_path=None, overrides=(),
@@ -91,9 +93,9 @@ def _prepare_warm_start(config, progress: bool) -> None:
     if config.model.kind != "tiny" or not config.model.warm_start:
         return
     from driftless.tasks import CharTokenizer
-    from driftless.train.loop import build_policy
+    from driftless.train.factory import initial_state
 
-    build_policy(config, CharTokenizer(), progress)
+    initial_state(config, CharTokenizer(), progress)
 
 
 def _spread(values: list[float], fmt: str) -> str:

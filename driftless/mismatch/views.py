@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from driftless.models.protocols import SupportsNumerics
 from driftless.ops.numerics import Numerics
 from driftless.ops.quant import QuantSpec
 
@@ -57,7 +58,7 @@ class QuantView:
         return out
 
     def apply(self, policy) -> None:
-        if hasattr(policy, "numerics"):
+        if isinstance(policy, SupportsNumerics):
             policy.numerics = self.numerics
             return
         if self.act is not None or self.kv is not None:

@@ -38,15 +38,13 @@ def _first_difference(trace_a, trace_b, row_b: int, n: int, t_a=None) -> str | N
     return None
 
 
-def invariance_failures(config, gemm=None) -> list[str]:
-    """Run the checks on a random model of ``config``; return what failed (empty = invariant).
+def invariance_failures(config, model_cls, gemm=None) -> list[str]:
+    """Run the checks on a random ``model_cls(config)``; return what failed (empty = invariant).
 
     ``gemm(x, weight)`` replaces the aligned GEMM (a negative control: plain fp32 ``F.linear``
     is not batch invariant, and the self-test must say so).
     """
-    from driftless.models.tiny import TinyLM
-
-    model = TinyLM(config, execution="fast")
+    model = model_cls(config, execution="fast")
     model._execution = "aligned"  # set directly: the setter would call this self-test again
     model.aligned_gemm = gemm
     model.reset_parameters(seed=1234)
@@ -89,11 +87,11 @@ def invariance_failures(config, gemm=None) -> list[str]:
     return failures
 
 
-def ensure_aligned(config) -> None:
-    """Raise AlignmentError if aligned execution is not invariant for ``config`` here."""
-    key = (tuple(sorted(dataclasses.asdict(config).items())), torch.get_num_threads())
+def ensure_aligned(config, model_cls) -> None:
+    """Raise AlignmentError if aligned execution of ``model_cls(config)`` is not invariant here."""
+    key = (model_cls.__name__, tuple(sorted(dataclasses.asdict(config).items())), torch.get_num_threads())
     if key not in _CACHE:
-        _CACHE[key] = invariance_failures(config)
+        _CACHE[key] = invariance_failures(config, model_cls)
     failures = _CACHE[key]
     if failures:
         raise AlignmentError(

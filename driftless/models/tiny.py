@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from driftless.models.selftest import ensure_aligned
 from driftless.ops.exact import (
     exact_attention,
     exact_linear,
@@ -172,9 +173,7 @@ class TinyLM(nn.Module):
         if value not in EXECUTIONS:
             raise ValueError(f"execution must be one of {EXECUTIONS}, got {value!r}")
         if value == "aligned" and getattr(self, "_execution", None) != "aligned":
-            from driftless.models.selftest import ensure_aligned
-
-            ensure_aligned(self.config)  # refuses aligned mode if the invariance fails here
+            ensure_aligned(self.config, type(self))  # refuses aligned mode if the invariance fails here
         self._execution = value
 
     @property
@@ -328,12 +327,7 @@ class TinyLM(nn.Module):
         """One token per row at ``positions [B]``; logits ``[B, V]`` for the next position."""
         return self(tokens[:, None], cache=cache, start=positions)[:, 0]
 
-    # ------------------------------------------------------------------ persistence
-    def save(self, path) -> None:
-        from driftless.models.io import save_model
-
-        save_model(self, path)
-
+    # ------------------------------------------------------------------ persistence (models/io.py)
     def config_dict(self) -> dict:
         return asdict(self.config)
 

@@ -180,9 +180,18 @@ class TrainSection:
     checkpoint_every: int = 20
     run_dir: str = "runs/default"
     progress: bool = True
+    ppo_epochs: int = 1  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
+    minibatches: int = 1  # optimizer steps per pass (rows split into contiguous minibatches)
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard | wandb
 
     def __post_init__(self):
-        _positive("train", self, "steps", "eval_every", "eval_problems", "checkpoint_every")
+        _positive("train", self, "steps", "eval_every", "eval_problems", "checkpoint_every", "ppo_epochs",
+                  "minibatches")
+        from driftless.train.sinks import LOGGERS
+
+        bad = [name for name in self.loggers if name not in LOGGERS]
+        if bad:
+            raise ValueError(f"train.loggers: unknown logger(s) {bad}; choose from {', '.join(LOGGERS)}")
 
 
 @dataclass
@@ -227,9 +236,17 @@ def _coerce(key: str, value, annotation):
             raise ValueError(f"{key} must be a number, got {value!r}")
         return float(value)
     if annotation is str:
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML reads `7` as a number
+            return str(value)
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
         return value
+    if origin is list:
+        if isinstance(value, str):  # a=b,c on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else list(value)
     if annotation is dict or origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key} must be a mapping, got {value!r}")

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from driftless.models.protocols import SupportsNumerics
 from driftless.rollout import Sampler, SamplingParams
 
 
@@ -19,7 +20,7 @@ def evaluate(policy, task, tokenizer, problems, *, max_new_tokens: int, params: 
     """Mean reward of ``policy`` on ``problems`` (greedy by default), sampled by a clean copy."""
     params = params or SamplingParams(greedy=True)
     clean = copy.deepcopy(policy)
-    if hasattr(clean, "numerics"):
+    if isinstance(clean, SupportsNumerics):
         clean.numerics = None
     sampler = Sampler(clean, head_k=0, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     sampler.version = 0

@@ -4,26 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from driftless.tasks import CharTokenizer
+from driftless.train.checkpoint import latest_checkpoint, load_checkpoint
 from driftless.train.config import load_config
 from driftless.train.evaluate import evaluate
-from driftless.train.loop import build_policy
+from driftless.train.factory import make_policy
 
 
 def evaluate_run(run_dir, problems: int | None = None) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
-    latest = run_dir / "checkpoints" / "latest"
-    if not latest.exists():
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint yet")
     config = load_config(run_dir / "config.yaml")
     tokenizer = CharTokenizer()
-    policy, _ = build_policy(config, tokenizer, progress=False)
-    ckpt = run_dir / "checkpoints" / latest.read_text().strip()
-    policy.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    policy = make_policy(config, tokenizer, load_checkpoint(ckpt, weights_only=True)["model"])
     task = config.task.build()
     result = evaluate(policy, task, tokenizer, task.eval_set(problems or config.train.eval_problems),
                       max_new_tokens=config.rollout.max_new_tokens)

@@ -1,0 +1,86 @@
+"""The rollout worker: turns a step index into a training batch with rewards and advantages.
+
+``produce(step)``: draw ``prompts_per_step`` problems (an RNG keyed by (seed, step)), generate
+``group_size`` responses each with the sampler (generation seed keyed by (seed, step)), score
+the completions with the task, shape rewards and compute group advantages. The worker never
+trains and never builds weights of its own: it samples from whatever ``load(snapshot)`` gave
+it, through its mismatch view. Every random draw is keyed by (seed, step), so a batch is a pure
+function of (snapshot, step): what resuming and replaying rely on.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from driftless.models.protocols import SupportsNumerics
+from driftless.objectives.advantages import group_advantages, shape_rewards
+from driftless.rollout.batch import RolloutBatch
+from driftless.rollout.sampler import Sampler, Snapshot
+from driftless.rollout.sampling import SamplingParams
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    """The seed of one random draw of one step (salt 1: problems, 2: generation)."""
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
+
+
+@dataclass
+class RolloutSettings:
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    reward_mode: str
+    advantage: str
+    head_k: int = 32
+    seed: int = 0
+
+
+class RolloutWorker:
+    """Sampler + task + reward shaping. ``policy`` is the worker's own copy (a view may change it)."""
+
+    def __init__(self, policy, task, tokenizer, settings: RolloutSettings, *, view=None):
+        if isinstance(policy, SupportsNumerics):
+            policy.numerics = None  # the mismatch view decides the sampler's numerics
+        self.sampler = Sampler(policy, head_k=settings.head_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                               view=view)
+        self.task, self.tokenizer, self.settings = task, tokenizer, settings
+        self.snapshot: Snapshot | None = None  # the snapshot last loaded (before the view)
+
+    @property
+    def version(self) -> int | None:
+        return self.sampler.version
+
+    def load(self, snapshot: Snapshot) -> None:
+        self.sampler.load(snapshot)
+        self.snapshot = snapshot
+
+    def produce(self, step: int) -> tuple[RolloutBatch, dict]:
+        """The batch of ``step`` (rewards and advantages filled) and the worker's metrics."""
+        if self.snapshot is None:
+            raise ValueError("the rollout worker has no weights: call load(snapshot) first")
+        s = self.settings
+        t0 = time.perf_counter()
+        problems = self.task.sample(s.prompts_per_step, random.Random(step_seed(s.seed, step, 1)), "train")
+        prompts = [self.tokenizer.encode(p.prompt) for p in problems for _ in range(s.group_size)]
+        groups = [i for i in range(len(problems)) for _ in range(s.group_size)]
+        batch = self.sampler.generate(prompts, s.sampling, s.max_new_tokens, seed=step_seed(s.seed, step, 2),
+                                      group=groups)
+        t_generate = time.perf_counter()
+        completions = [self.tokenizer.decode(c) for c in batch.completions()]
+        success = torch.tensor([self.task.score(problems[g], c) for g, c in zip(groups, completions)])
+        reward = shape_rewards(success, batch.group, s.reward_mode)
+        advantage = group_advantages(reward, batch.group, s.advantage).float()
+        batch = batch.replace(reward=reward.float(), advantage=advantage)
+        n_tokens = int(batch.action_mask.sum())
+        metrics = {
+            "reward": float(success.mean()),
+            "response_length": float((batch.length - batch.prompt_len).float().mean()),
+            "rollout_s": time.perf_counter() - t0,
+            "tokens_per_s": n_tokens / max(t_generate - t0, 1e-9),
+        }
+        return batch, metrics
