@@ -25,6 +25,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check driftless tests bench
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) bench/objectives.py
