@@ -26,6 +26,7 @@ from driftless.diagnostics.metrics import (
 )
 from driftless.objectives.centering import ScoreCentering, build_head
 from driftless.objectives.penalties import ReferenceKL, SamplerKL
+from driftless.objectives.protocols import Penalty, Surrogate
 from driftless.objectives.reductions import REDUCTIONS, reduce_loss
 from driftless.objectives.surrogates import Reinforce
 from driftless.objectives.weights import Weight
@@ -117,7 +118,7 @@ class Objective:
     """Compose the parts; ``name`` is the preset it came from (or ``custom``)."""
 
     weight: Weight = field(default_factory=Weight)
-    surrogate: object = field(default_factory=Reinforce)
+    surrogate: Surrogate = field(default_factory=Reinforce)
     centering: ScoreCentering | None = None
     penalties: tuple = ()
     reduction: str = "token-mean"
@@ -135,13 +136,20 @@ class Objective:
                 raise ValueError(
                     f"score centering composes with the REINFORCE surrogate; got {type(self.surrogate).__name__}"
                 )
-        if self.weight.target == "anchor" and not getattr(self.surrogate, "uses_anchor", False):
+        if not isinstance(self.surrogate, Surrogate):
+            raise ValueError(f"surrogate must implement the Surrogate protocol (objectives/protocols.py), got "
+                             f"{type(self.surrogate).__name__}")
+        for penalty in self.penalties:
+            if not isinstance(penalty, Penalty):
+                raise ValueError(f"penalties must implement the Penalty protocol (objectives/protocols.py), got "
+                                 f"{type(penalty).__name__}")
+        if self.weight.target == "anchor" and not self.surrogate.uses_anchor:
             raise ValueError("weight target 'anchor' (π0/q) needs an anchored surrogate (PPO family)")
         self.penalties = tuple(self.penalties)
 
     @property
     def needs_head(self) -> bool:
-        return self.centering is not None or any(getattr(p, "needs_head", False) for p in self.penalties)
+        return self.centering is not None or any(p.needs_head for p in self.penalties)
 
     @property
     def head_spec(self) -> tuple[int | None, bool]:

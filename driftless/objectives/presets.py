@@ -21,6 +21,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from driftless.objectives.centering import ScoreCentering
 from driftless.objectives.objective import Objective
 from driftless.objectives.penalties import ReferenceKL, SamplerKL
@@ -29,43 +32,124 @@ from driftless.objectives.surrogates import CISPO, GSPOClip, PPOClip, Reinforce,
 from driftless.objectives.weights import LEVELS, Weight
 
 _COMMON = ("reduction", "ref_kl_beta", "ref_kl_estimator")
-_LEVEL = ("level",)
-_PPO = ("eps_low", "eps_high", "dual_clip")
+_COMMON_DEFAULTS = {"reduction": "token-mean", "ref_kl_beta": 0.0, "ref_kl_estimator": "k3"}
+_PPO = {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}
 
-# preset -> (builder kind, allowed parameters, defaults)
-PRESETS: dict[str, dict] = {
-    "pg": {"params": _COMMON, "defaults": {}},
-    "is": {"params": _COMMON + _LEVEL, "defaults": {"level": "token"}},
-    "tis": {"params": _COMMON + _LEVEL + ("cap",), "defaults": {"cap": 2.0, "level": "token"}},
-    "mis": {"params": _COMMON + _LEVEL + ("lower", "upper"), "defaults": {"lower": 0.5, "upper": 5.0, "level": "token"}},
-    "icepop": {
-        "params": _COMMON + _LEVEL + _PPO + ("lower", "upper", "variant"),
-        "defaults": {"lower": 0.5, "upper": 5.0, "level": "token", "variant": "keep",
-                     "eps_low": 0.2, "eps_high": 0.2, "dual_clip": None},
-    },
-    "ppo": {"params": _COMMON + _PPO, "defaults": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}},
-    "ppo+tis": {
-        "params": _COMMON + _PPO + _LEVEL + ("cap",),
-        "defaults": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None, "cap": 2.0, "level": "token"},
-    },
-    "dapo": {"params": _COMMON + _PPO, "defaults": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": None}},
-    "gspo": {"params": _COMMON + ("eps_low", "eps_high"), "defaults": {"eps_low": 3e-4, "eps_high": 4e-4,
-                                                                       "reduction": "seq-mean-token-mean"}},
-    "cispo": {"params": _COMMON + ("eps_low", "eps_high"), "defaults": {"eps_low": 1.0, "eps_high": 0.28}},
-    "sc": {"params": _COMMON + ("top_k",), "defaults": {"top_k": 128}},
-    "sc+tis": {"params": _COMMON + ("top_k", "cap"), "defaults": {"top_k": 128, "cap": 2.0}},
-    "sc+mis": {"params": _COMMON + ("top_k", "lower", "upper"), "defaults": {"top_k": 128, "lower": 0.5, "upper": 5.0}},
-    "sc+kl": {"params": _COMMON + ("top_k", "beta"), "defaults": {"top_k": 128, "beta": 0.2}},
-    "reinforce-zero": {"params": _COMMON, "defaults": {"reduction": "seq-mean-token-mean"}},
-}
+
+@dataclass(frozen=True)
+class Preset:
+    """One named objective: the parameters it takes, their defaults, and how its parts are built."""
+
+    name: str
+    defaults: dict
+    build: Callable[[dict], dict]  # parameters -> Objective keyword arguments (weight, surrogate, ...)
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return _COMMON + tuple(k for k in self.defaults if k not in _COMMON)
+
+
+PRESETS: dict[str, Preset] = {}
+
+
+def preset(name: str, **defaults):
+    """Register the decorated builder as preset ``name`` with these parameters and defaults."""
+    def register(build):
+        PRESETS[name] = Preset(name, defaults, build)
+        return build
+    return register
+
+
+def _level(p) -> str:
+    if p["level"] not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {p['level']!r}")
+    return p["level"]
+
+
+def _ppo(p) -> PPOClip:
+    return PPOClip(p["eps_low"], p["eps_high"], p["dual_clip"])
+
+
+@preset("pg")
+def _pg(p):
+    return {}
+
+
+@preset("is", level="token")
+def _is(p):
+    return {"weight": Weight("is", level=_level(p))}
+
+
+@preset("tis", cap=2.0, level="token")
+def _tis(p):
+    return {"weight": Weight("tis", level=_level(p), cap=p["cap"])}
+
+
+@preset("mis", lower=0.5, upper=5.0, level="token")
+def _mis(p):
+    return {"weight": Weight("mis", level=_level(p), lower=p["lower"], upper=p["upper"])}
+
+
+@preset("icepop", lower=0.5, upper=5.0, level="token", variant="keep", **_PPO)
+def _icepop(p):
+    if p["variant"] not in ("keep", "unit"):
+        raise ValueError(f"icepop variant must be 'keep' (w = π0/q in band) or 'unit' (w = 1 in band), got {p['variant']!r}")
+    kind = "mis" if p["variant"] == "keep" else "band"
+    return {"weight": Weight(kind, level=_level(p), lower=p["lower"], upper=p["upper"], target="anchor"),
+            "surrogate": _ppo(p)}
+
+
+@preset("ppo", **_PPO)
+def _ppo_preset(p):
+    return {"surrogate": _ppo(p)}
+
+
+@preset("ppo+tis", **_PPO, cap=2.0, level="token")
+def _ppo_tis(p):
+    return {"weight": Weight("tis", level=_level(p), cap=p["cap"], target="anchor"), "surrogate": _ppo(p)}
+
+
+@preset("dapo", **{**_PPO, "eps_high": 0.28})
+def _dapo(p):
+    return {"surrogate": _ppo(p)}
+
+
+@preset("gspo", eps_low=3e-4, eps_high=4e-4, reduction="seq-mean-token-mean")
+def _gspo(p):
+    return {"surrogate": GSPOClip(p["eps_low"], p["eps_high"])}
+
+
+@preset("cispo", eps_low=1.0, eps_high=0.28)
+def _cispo(p):
+    return {"surrogate": CISPO(p["eps_low"], p["eps_high"])}
+
+
+@preset("sc", top_k=128)
+def _sc(p):
+    return {"centering": ScoreCentering(top_k=p["top_k"])}
+
+
+@preset("sc+tis", top_k=128, cap=2.0)
+def _sc_tis(p):
+    return {"centering": ScoreCentering(top_k=p["top_k"]), "weight": Weight("tis", cap=p["cap"])}
+
+
+@preset("sc+mis", top_k=128, lower=0.5, upper=5.0)
+def _sc_mis(p):
+    return {"centering": ScoreCentering(top_k=p["top_k"]), "weight": Weight("mis", lower=p["lower"], upper=p["upper"])}
+
+
+@preset("sc+kl", top_k=128, beta=0.2)
+def _sc_kl(p):
+    return {"centering": ScoreCentering(top_k=p["top_k"]), "penalties": [SamplerKL(beta=p["beta"])]}
+
+
+@preset("reinforce-zero", reduction="seq-mean-token-mean")
+def _reinforce_zero(p):
+    return {"surrogate": UnclippedRatio()}
+
 
 PRESET_NAMES = tuple(PRESETS)
-
-
-def _check_level(level):
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    return level
 
 
 def make(name: str, **overrides) -> Objective:
@@ -73,55 +157,17 @@ def make(name: str, **overrides) -> Objective:
     if name not in PRESETS:
         raise ValueError(f"unknown objective preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
     spec = PRESETS[name]
-    unknown = sorted(set(overrides) - set(spec["params"]))
+    unknown = sorted(set(overrides) - set(spec.params))
     if unknown:
         raise ValueError(
             f"preset {name!r} has no parameter {', '.join(map(repr, unknown))}; "
-            f"its parameters are {', '.join(spec['params'])}"
+            f"its parameters are {', '.join(spec.params)}"
         )
-    p = {"reduction": "token-mean", "ref_kl_beta": 0.0, "ref_kl_estimator": "k3", **spec["defaults"], **overrides}
+    p = {**_COMMON_DEFAULTS, **spec.defaults, **overrides}
     if p["reduction"] not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {p['reduction']!r}")
-
-    weight = Weight()
-    surrogate = Reinforce()
-    centering = None
-    penalties: list = []
-    level = _check_level(p.get("level", "token"))
-    ppo = lambda: PPOClip(p["eps_low"], p["eps_high"], p["dual_clip"])
-
-    if name == "is":
-        weight = Weight("is", level=level)
-    elif name == "tis":
-        weight = Weight("tis", level=level, cap=p["cap"])
-    elif name == "mis":
-        weight = Weight("mis", level=level, lower=p["lower"], upper=p["upper"])
-    elif name == "icepop":
-        if p["variant"] not in ("keep", "unit"):
-            raise ValueError(f"icepop variant must be 'keep' (w = π0/q in band) or 'unit' (w = 1 in band), got {p['variant']!r}")
-        kind = "mis" if p["variant"] == "keep" else "band"
-        weight = Weight(kind, level=level, lower=p["lower"], upper=p["upper"], target="anchor")
-        surrogate = ppo()
-    elif name in ("ppo", "dapo"):
-        surrogate = ppo()
-    elif name == "ppo+tis":
-        weight = Weight("tis", level=level, cap=p["cap"], target="anchor")
-        surrogate = ppo()
-    elif name == "gspo":
-        surrogate = GSPOClip(p["eps_low"], p["eps_high"])
-    elif name == "cispo":
-        surrogate = CISPO(p["eps_low"], p["eps_high"])
-    elif name.startswith("sc"):
-        centering = ScoreCentering(top_k=p["top_k"])
-        if name == "sc+tis":
-            weight = Weight("tis", cap=p["cap"])
-        elif name == "sc+mis":
-            weight = Weight("mis", lower=p["lower"], upper=p["upper"])
-        elif name == "sc+kl":
-            penalties.append(SamplerKL(beta=p["beta"]))
-    elif name == "reinforce-zero":
-        surrogate = UnclippedRatio()
+    parts = {"weight": Weight(), "surrogate": Reinforce(), "centering": None, "penalties": [], **spec.build(p)}
+    penalties = list(parts.pop("penalties"))
     if p["ref_kl_beta"]:
         penalties.append(ReferenceKL(beta=p["ref_kl_beta"], estimator=p["ref_kl_estimator"]))
-    return Objective(weight=weight, surrogate=surrogate, centering=centering, penalties=tuple(penalties),
-                     reduction=p["reduction"], name=name)
+    return Objective(**parts, penalties=tuple(penalties), reduction=p["reduction"], name=name)
