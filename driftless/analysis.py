@@ -1,4 +1,4 @@
-"""Exact single-prefix analysis (seed 000 section 4) and the Eq. 1 log-ratio decomposition.
+"""Exact single-prefix analysis ([mismatch] §4) and the Eq. 1 log-ratio decomposition.
 
 ``expected_logit_update`` treats the logits z at one prefix as free parameters (p = softmax z),
 runs the library's own objective on every action a (one one-token response each, weighted by its
@@ -36,7 +36,7 @@ def expected_logit_update(p, q, advantages, objective: str, **params) -> torch.T
     first k entries.
 
     With p = (0.8, 0.2), q = (0.5, 0.5), A = (2, 0): pg (0.20, −0.20), sc (0.50, −0.50),
-    is (0.32, −0.32), sc+kl with beta 0.2 (0.44, −0.44) — seed 000's table.
+    is (0.32, −0.32), sc+kl with beta 0.2 (0.44, −0.44) — [mismatch]'s table.
     """
     p = _as_distribution("p", p)
     q = _as_distribution("q", q)

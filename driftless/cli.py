@@ -8,7 +8,7 @@ import sys
 
 
 def _seed_table(args) -> int:
-    """Seed 000's worked example, computed by running the library's objectives exactly."""
+    """[mismatch]'s worked example, computed by running the library's objectives exactly."""
     from driftless.analysis import expected_logit_update
 
     p, q, adv = args.p, args.q, args.advantages
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="driftless", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("seed-table", help="seed 000's expected-update table, computed by the objectives")
+    t = sub.add_parser("seed-table", help="[mismatch]'s expected-update table, computed by the objectives")
     t.add_argument("--p", type=float, nargs="+", default=[0.8, 0.2])
     t.add_argument("--q", type=float, nargs="+", default=[0.5, 0.5])
     t.add_argument("--advantages", type=float, nargs="+", default=[2.0, 0.0])

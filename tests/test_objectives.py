@@ -1,4 +1,4 @@
-"""The objective library against closed forms derived from seed 000 (exact enumeration)."""
+"""The objective library against closed forms derived from [mismatch] (exact enumeration)."""
 
 from __future__ import annotations
 

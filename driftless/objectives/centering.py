@@ -1,4 +1,4 @@
-"""Score centering (seed 000 section 4, Eq. 7 and 9, and its technical note).
+"""Score centering ([mismatch] §4, Eq. 7 and 9, and its top-k note; [sc]).
 
 The centered token score is w(a) s(a) − E_q[w s]. With logits-independent coefficients the
 expectation is a sum over next-token log-probabilities, so the loss only needs log p at the
@@ -22,7 +22,7 @@ import torch
 
 from driftless.diagnostics.metrics import LOG_RATIO_CLAMP, masked_mean
 
-TAIL_EPS = 1e-6  # the reference's guard on a degenerate (≤ 0) tail mass
+TAIL_EPS = 1e-6  # [sc]'s reference implementation guard on a degenerate (≤ 0) tail mass
 FULL_HEAD_TOL = 1e-4  # a head whose sampler mass is within this of 1 covers the support
 
 

@@ -2,7 +2,7 @@
 
 Sampler KL with a frozen sampler contributes −β ∇KL(q‖p) = β E_q[s] to the ascent direction.
 Exact when the head covers the sampler's support; otherwise q is reconstructed as the head plus
-a ρ·p tail (the centering technical note), giving
+a ρ·p tail ([mismatch] top-k note), giving
 
     KL(q̂‖p) = Σ_H q_j (log q_j − log p_j) + (1 − Σ_H q) log ρ,
     ∇KL     = −Σ_H q_j s_j + ρ Σ_H p_j s_j          (since Σ_tail p s = −Σ_H p s).

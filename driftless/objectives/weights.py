@@ -1,6 +1,6 @@
 """Behaviour weights: how much each sampled token counts, from a ratio target / sampler.
 
-The target is the live trainer p (direct ratio p/q, seed 000 section 4.3 onward) or the anchor
+The target is the live trainer p (direct ratio p/q, [mismatch] §4.3 onward) or the anchor
 π0 (w = π0/q of Eq. 2–3, for PPO + TIS). Every weight is detached. Modes:
 
 - ``None``        exact importance sampling, w = r

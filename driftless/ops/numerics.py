@@ -1,4 +1,4 @@
-"""Per-model forward numerics: which operands are fake-quantized, and how (seed 000 section 3).
+"""Per-model forward numerics: which operands are fake-quantized, and how ([mismatch] §3).
 
 A ``Numerics`` object on a model says what its linears and its KV cache do:
 

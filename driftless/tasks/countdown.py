@@ -1,4 +1,4 @@
-"""Countdown with the reference rules, sized by difficulty knobs so a tiny model can learn it.
+"""Countdown with TinyZero's rules ([countdown] in docs/references.md), sized by difficulty knobs so a tiny model can learn it.
 
 Reward 1 iff the last ``<answer>…</answer>`` holds an expression of digits, spaces and
 ``+ - * / ( )`` only (no ``**``, no ``//``) that uses each given number exactly once and whose
