@@ -225,7 +225,7 @@ class TinyLM(nn.Module):
 
     def _linear(self, x, layer: nn.Linear, aligned: bool):
         if self.numerics is not None:
-            return self.numerics.linear(x, layer.weight, aligned)
+            return self.numerics.linear(x, layer.weight, aligned, self._codes)
         return self._exact_linears(x, layer)[0] if aligned else F.linear(x, layer.weight)
 
     def _exact_linears(self, x, *layers: nn.Linear) -> list[torch.Tensor]:
