@@ -16,14 +16,23 @@ from driftless.experiments.demo import REPO_CONFIGS, _prepare_warm_start, train_
 from driftless.experiments.report import eval_curve, summarize
 from driftless.train import load_config
 
-# The settings tried, in the order they were tried (docs/calibration.md). Each is relative to
-# configs/default.yaml and switches the mismatch off.
+# The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
+# configs/default.yaml; the mismatch is always off.
+_N3 = ["task.n_numbers=3", "rollout.prompts_per_step=16", "train.steps=200",
+       "train.eval_every=25"]
+_P16 = ["rollout.prompts_per_step=16", "train.eval_every=25"]
 SETTINGS: dict[str, list[str]] = {
     "previous-default": ["task.n_numbers=3", "warm_start.steps=1000", "optim.name=sgd", "optim.lr=0.5",
-                         "train.steps=100"],
-    "n3-ws400-adam3e-4": ["task.n_numbers=3", "warm_start.steps=400", "optim.lr=3e-4", "train.steps=200"],
-    "n3-ws200-adam3e-4": ["task.n_numbers=3", "warm_start.steps=200", "optim.lr=3e-4", "train.steps=200"],
-    "n2-ws150-adam1e-3": ["optim.lr=1e-3", "train.steps=150"],
+                         "rollout.prompts_per_step=16", "train.steps=100", "train.eval_every=25"],
+    "n3-ws200-adam3e-4": [*_N3, "warm_start.steps=200", "optim.lr=3e-4"],
+    "n3-ws100-adam3e-4": [*_N3, "warm_start.steps=100", "optim.lr=3e-4"],
+    "n3-ws400-adam3e-4": [*_N3, "warm_start.steps=400", "optim.lr=3e-4"],
+    "n2-adam1e-3-p16": [*_P16, "rollout.max_new_tokens=28", "optim.lr=1e-3", "train.steps=200"],
+    "n2-p16": [*_P16, "train.steps=150"],
+    "n2-m19-ws200": [*_P16, "task.max_number=19", "warm_start.steps=200", "train.steps=150"],
+    "n2-m25-ws300": [*_P16, "task.max_number=25", "warm_start.steps=300", "train.steps=150"],
+    "n2-m19-ws500": [*_P16, "task.max_number=19", "warm_start.steps=500", "train.steps=150"],
+    "n2-m12-ws200": [*_P16, "task.max_number=12", "warm_start.steps=200", "train.steps=200"],
     "default": [],
 }
 NO_MISMATCH = ["mismatch.view=none", "mismatch.staleness=0", "mismatch.trainer_numerics=fp"]
@@ -41,7 +50,7 @@ def run_calibration(run_dir="runs/calibration", *, settings=None, seeds: int = 3
     run_dir = Path(run_dir)
     for name in names:  # warm starts first, once each, so that the workers only read the cache
         _prepare_warm_start(load_config(config_path, [*SETTINGS[name], *NO_MISMATCH]), progress)
-    jobs = [([*SETTINGS[n], *NO_MISMATCH, f"train.seed={s}", "train.eval_problems=256"], run_dir / n / f"seed{s}")
+    jobs = [([*SETTINGS[n], *NO_MISMATCH, f"train.seed={s}"], run_dir / n / f"seed{s}")
             for n in names for s in range(seeds)]
     t0 = time.time()
     train_many(config_path, jobs, workers=workers, progress=progress, desc="calibration")
