@@ -98,3 +98,27 @@ def test_tensorboard_and_wandb_sinks_receive_the_same_metrics(tmp_path, monkeypa
     assert [e.step for e in acc.Scalars("learner/loss")] == [0, 1, 2]
     assert [e.value for e in acc.Scalars("eval/eval_reward")] == pytest.approx([rows[-1]["eval_reward"]])
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B's offline run file
+
+
+def test_linear_schedule_decays_and_resumes_exactly(tmp_path):
+    extra = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", "optim.schedule=linear"]
+    Run(load_config(None, [*TINY, *extra]), tmp_path / "a").run()
+    crashing = Run(load_config(None, [*TINY, *extra]), tmp_path / "b")
+    real_step = crashing.step
+
+    def step():
+        if crashing.step_index == 2:  # killed after the checkpoint of step 2
+            raise RuntimeError("killed")
+        return real_step()
+    crashing.step = step
+    with pytest.raises(RuntimeError, match="killed"):
+        crashing.run()
+    Run(load_config(None, [*TINY, *extra]), tmp_path / "b").run(resume=True)
+    from driftless.train.loop import TIMING_KEYS
+
+    a, b = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab")
+    assert [r["lr"] for r in a] == pytest.approx([1e-2, 0.75e-2, 0.5e-2, 0.25e-2])
+    assert [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in a] == \
+        [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in b]
+    with pytest.raises(ValueError, match="optim.schedule"):
+        load_config(None, ["optim.schedule=step"])

@@ -143,6 +143,9 @@ class ObjectiveSection:
         return make(self.name, **(self.params or {}))
 
 
+SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass
 class OptimSection:
     name: str = "sgd"  # sgd (plain, as in the paper) | adamw
@@ -151,8 +154,11 @@ class OptimSection:
     beta1: float = 0.9
     beta2: float = 0.999
     grad_clip: float = 1.0  # 0 = off
+    schedule: str = "constant"  # constant | linear (to 0 at the last optimizer step) | cosine
 
     def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.name not in ("sgd", "adamw"):
             raise ValueError(f"optim.name must be 'sgd' or 'adamw', got {self.name!r}")
         if not self.lr > 0:

@@ -27,15 +27,29 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0, beta
     raise ValueError(f"optim.name must be 'sgd' or 'adamw', got {name!r}")
 
 
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """Learning-rate multiplier before optimizer step ``step`` (0-based) of ``total``."""
+    if schedule == "constant" or total <= 1:
+        return 1.0
+    frac = min(step, total - 1) / (total - 1)
+    if schedule == "linear":
+        return 1.0 - frac * (1.0 - 1.0 / total)  # ends at 1/total of the peak, never exactly 0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac * (1.0 - 1.0 / total)))
+    raise ValueError(f"optim.schedule must be constant, linear or cosine, got {schedule!r}")
+
+
 class Learner:
     def __init__(self, policy, objective, optimizer, *, grad_clip: float = 1.0, head_k: int | None = None,
-                 ppo_epochs: int = 1, minibatches: int = 1):
+                 ppo_epochs: int = 1, minibatches: int = 1, schedule: str = "constant", total_steps: int = 1):
         for name, value in (("ppo_epochs", ppo_epochs), ("minibatches", minibatches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
         self.policy, self.objective, self.optimizer = policy, objective, optimizer
         self.grad_clip, self.head_k = grad_clip, head_k
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
+        self.schedule, self.total_steps = schedule, total_steps  # total optimizer steps of the run
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.version = 0  # optimizer steps applied
         self.skipped_steps = 0
 
@@ -96,6 +110,11 @@ class Learner:
                 if self.grad_clip > 0 and grad_norm > self.grad_clip:
                     for p in params:
                         p.grad.mul_(self.grad_clip / grad_norm)
+                if self.schedule != "constant":  # a function of the version: nothing extra to checkpoint
+                    factor = lr_factor(self.schedule, self.version, self.total_steps)
+                    for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+                        group["lr"] = base * factor
+                    metrics["lr"] = self.base_lrs[0] * factor
                 self.optimizer.step()
                 self.version += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -127,6 +146,8 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base  # the schedule sets it again before each step
         self.version, self.skipped_steps = state["version"], state["skipped_steps"]
 
 

@@ -58,7 +58,8 @@ class Run:
         optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
                                    (o.beta1, o.beta2))
         self.learner = Learner(policy, config.objective.build(), optimizer, grad_clip=o.grad_clip,
-                               head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches)
+                               head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
+                               schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches)
         self.worker = RolloutWorker(make_policy(config, self.tokenizer, state), self.task, self.tokenizer,
                                     rollout_settings(config), view=view)
         self.eval_problems = self.task.eval_set(t.eval_problems)
