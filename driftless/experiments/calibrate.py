@@ -33,6 +33,8 @@ SETTINGS: dict[str, list[str]] = {
     "n2-m25-ws300": [*_P16, "task.max_number=25", "warm_start.steps=300", "train.steps=150"],
     "n2-m19-ws500": [*_P16, "task.max_number=19", "warm_start.steps=500", "train.steps=150"],
     "n2-m12-ws200": [*_P16, "task.max_number=12", "warm_start.steps=200", "train.steps=200"],
+    "default-p32-150": ["optim.schedule=constant", "train.steps=150", "train.eval_every=25"],
+    "default-constant-100": ["optim.schedule=constant", "train.steps=100"],
     "default": [],
 }
 NO_MISMATCH = ["mismatch.view=none", "mismatch.staleness=0", "mismatch.trainer_numerics=fp"]
