@@ -261,5 +261,5 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     Run(tiny_config(*args[len(TINY):]), tmp_path / "b").run(resume=True)
     a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in metrics.read_text().splitlines()]
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
     assert strip(a) == strip(b)
