@@ -31,7 +31,8 @@ class RolloutBatch:
     anchor_logp: torch.Tensor | None = None  # [B, L] π0, filled by the learner
     created: torch.Tensor | None = None  # [B] float64 unix time the response finished
     enqueued: torch.Tensor | None = None  # [B] float64 unix time it entered a queue
-    meta: dict = field(default_factory=dict)
+    kv_version: torch.Tensor | None = None  # [B, L] oldest weight version in the cache each token's logits read
+    meta: dict = field(default_factory=dict)  # e.g. "refreshes": in-flight weight refresh events
 
     def __post_init__(self):
         self.validate()
@@ -82,6 +83,11 @@ class RolloutBatch:
             need("advantage", bool(torch.isfinite(self.advantage).all()), "holds NaN or inf")
         if self.anchor_logp is not None:
             need("anchor_logp", tuple(self.anchor_logp.shape) == (b, l), f"must have shape ({b}, {l})")
+        if self.kv_version is not None:
+            kv = self.kv_version
+            need("kv_version", tuple(kv.shape) == (b, l) and kv.dtype == torch.int64, f"must be int64 [{b}, {l}]")
+            need("kv_version", not bool((kv[on] > self.version[on]).any()),
+                 "is newer than the version that sampled the token")
 
     # -------------------------------------------------------------- helpers
     @property

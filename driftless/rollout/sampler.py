@@ -1,9 +1,21 @@
 """The rollout engine: batched generation with a KV cache over a versioned weight snapshot.
 
 For every action token it records the token, log q under the exact sampling transform, the
-sampler's top-k head (ids and log q, sorted by decreasing q) and the weight version. The
-sampler owns its own copy of the policy, so a mismatch view (quantized weights, noise, lower
-precision, a different execution mode) changes only the sampler's copy.
+sampler's top-k head (ids and log q, sorted by decreasing q), the weight version that computed
+its logits and ``kv_version``: the oldest weight version among the cached keys and values those
+logits attended to. The sampler owns its own copy of the policy, so a mismatch view (quantized
+weights, noise, lower precision, a different execution mode) changes only the sampler's copy.
+
+In-flight refresh: with ``weights`` (a callable returning a newer Snapshot or None), the
+sampler asks for new weights before every ``refresh_every``-th token and, per ``refresh``:
+
+- ``pin``: never; every response finishes under the version it started with;
+- ``recompute``: loads them and rebuilds the KV cache of every row under the new weights
+  (AReaL, verl's partial rollout): ``kv_version == version`` on every token;
+- ``retain``: loads them and keeps the stale cache (PipelineRL): later tokens have
+  ``kv_version < version``, a hybrid state that no single snapshot reproduces.
+
+Each refresh is an event in ``batch.meta["refreshes"]`` (step, old and new version, policy).
 """
 
 from __future__ import annotations
@@ -31,6 +43,9 @@ class Snapshot:
     @classmethod
     def of(cls, model, version: int) -> Snapshot:
         return cls({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
+
+
+REFRESH_POLICIES = ("pin", "recompute", "retain")
 
 
 class Sampler:
@@ -64,8 +79,15 @@ class Sampler:
         *,
         seed: int | None = None,
         group: list[int] | torch.Tensor | None = None,
+        weights=None,
+        refresh: str = "pin",
+        refresh_every: int = 8,
     ) -> RolloutBatch:
         params = params or SamplingParams()
+        if refresh not in REFRESH_POLICIES:
+            raise ValueError(f"rollout.refresh must be one of {', '.join(REFRESH_POLICIES)}, got {refresh!r}")
+        if refresh_every < 1:
+            raise ValueError(f"rollout.refresh_every must be >= 1, got {refresh_every}")
         if self.version is None:
             raise ValueError("the sampler has no weight version: call load(Snapshot(state, version)) first")
         policy = self.policy
@@ -100,13 +122,30 @@ class Sampler:
         cache = policy.new_cache(b)
         prefill = policy.prefill(tokens[:, : int(plen.max())], plen, cache)  # [B, T, V]
         last = prefill[torch.arange(b), plen - 1]  # [B, V]
+        last_version = self.version  # the weights that computed `last`
+        kv_oldest = torch.full((b,), self.version, dtype=torch.long)  # oldest version in each row's cache
         pos = plen.clone()  # where each row's next token goes
         done = torch.zeros(b, dtype=torch.bool)
-        steps: dict[str, list] = {"token": [], "logq": [], "active": [], "head_ids": [], "head_logp": []}
+        seq = tokens.clone()  # prompt + what has been generated so far (for a recompute)
+        events: list[dict] = []
+        steps: dict[str, list] = {"token": [], "logq": [], "active": [], "head_ids": [], "head_logp": [],
+                                  "version": [], "kv_version": []}
         while True:
             active = ~done & (pos < limit)
             if not active.any():
                 break
+            n_step = len(steps["token"])
+            if weights is not None and refresh != "pin" and n_step and n_step % refresh_every == 0:
+                snapshot = weights()
+                if snapshot is not None and snapshot.version != self.version:
+                    events.append({"step": n_step, "from": self.version, "to": snapshot.version, "policy": refresh})
+                    self.load(snapshot)
+                    if refresh == "recompute":  # rebuild every row's cache under the new weights
+                        cache = policy.new_cache(b)
+                        logits = policy.prefill(seq[:, : int(pos.max())], pos, cache)
+                        last = logits[torch.arange(b), pos - 1]
+                        last_version = self.version
+                        kv_oldest = torch.full((b,), self.version, dtype=torch.long)
             logq = sampling_logprobs(last, params, exact=exact)  # [B, V] under the exact transform
             if params.greedy:
                 tok = logq.argmax(-1)
@@ -115,17 +154,22 @@ class Sampler:
             steps["token"].append(tok)
             steps["logq"].append(logq.gather(1, tok[:, None]).squeeze(1).float())
             steps["active"].append(active)
+            steps["version"].append(torch.full((b,), last_version, dtype=torch.long))
+            steps["kv_version"].append(kv_oldest.clone())
             if k:
                 top = torch.topk(logq, k, dim=-1)
                 steps["head_ids"].append(top.indices)
                 steps["head_logp"].append(top.values.float())
             if self.eos_id is not None:
                 done |= active & (tok == self.eos_id)
+            seq[active, pos[active].clamp(max=total - 1)] = tok[active]
             pos = pos + active.long()
             if not (~done & (pos < limit)).any():
                 break
             # feed each row's new token at its position (finished rows feed junk into a slot they no longer read)
             last = policy.decode(tok, torch.clamp(pos - 1, max=ctx - 1), cache)
+            last_version = self.version
+            kv_oldest = torch.clamp(kv_oldest, max=self.version)  # the slot just written holds this version
 
         # write the per-step records at each row's positions plen + step, in one scatter per field
         n_steps = len(steps["token"])
@@ -143,7 +187,8 @@ class Sampler:
         tokens = torch.where(place(act, False, torch.bool), place(torch.stack(steps["token"], 1), 0, torch.long), tokens)
         mask = place(act, False, torch.bool)[:, :used]
         logq_tok = place(torch.where(act, torch.stack(steps["logq"], 1), 0.0), 0.0, torch.float32)[:, :used]
-        version = torch.where(mask, self.version, -1)
+        version = place(torch.where(act, torch.stack(steps["version"], 1), -1), -1, torch.long)[:, :used]
+        kv_version = place(torch.where(act, torch.stack(steps["kv_version"], 1), -1), -1, torch.long)[:, :used]
         head_ids = head_logp = None
         if k:
             act_k = act[..., None]
@@ -164,4 +209,6 @@ class Sampler:
             sampler_topk_logp=None if head_logp is None else head_logp.contiguous(),
             group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
             created=torch.full((b,), now, dtype=torch.float64),
+            kv_version=kv_version.contiguous(),
+            meta={"refreshes": events} if events else {},
         )
