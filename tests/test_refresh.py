@@ -38,7 +38,7 @@ def generate(refresh, execution="aligned"):
 
 @pytest.mark.parametrize("refresh", ["recompute", "retain"])
 def test_versions_change_mid_response_at_the_refresh(refresh):
-    batch, old, new, calls = generate(refresh)
+    batch, _, _, calls = generate(refresh)
     m = batch.action_mask
     assert calls and batch.meta["refreshes"][0] == {"step": 4, "from": 3, "to": 4, "policy": refresh}
     # recompute: the 5th token comes from logits recomputed under the new weights; retain: its logits
@@ -67,7 +67,7 @@ def test_recompute_tokens_rescore_bitwise_with_the_snapshot_of_their_version():
 
 
 def test_retain_tokens_are_not_those_of_any_single_snapshot():
-    batch, old, new, _ = generate("retain")
+    batch, _, new, _ = generate("retain")
     m = batch.action_mask & (batch.version == 4)
     trainer = TinyLM(CONFIG, execution="aligned")
     trainer.load_state_dict(new.state)

@@ -38,6 +38,9 @@ class RolloutSettings:
     advantage: str
     head_k: int = 32
     seed: int = 0
+    refresh: str = "pin"
+    refresh_every: int = 8
+    reward_latency: float = 0.0  # seconds per prompt group, slept after generation (a verifier / tool stand-in)
 
 
 class RolloutWorker:
@@ -59,18 +62,32 @@ class RolloutWorker:
         self.sampler.load(snapshot)
         self.snapshot = snapshot
 
-    def produce(self, step: int) -> tuple[RolloutBatch, dict]:
-        """The batch of ``step`` (rewards and advantages filled) and the worker's metrics."""
+    def produce(self, step: int, weights=None) -> tuple[RolloutBatch, dict]:
+        """The batch of ``step`` (rewards and advantages filled) and the worker's metrics.
+
+        ``weights``: a callable giving newer weights (a Snapshot) or None, asked during generation
+        per the refresh policy (``RolloutSettings.refresh``).
+        """
         if self.snapshot is None:
             raise ValueError("the rollout worker has no weights: call load(snapshot) first")
         s = self.settings
         t0 = time.perf_counter()
+        fetch = None
+        if weights is not None:
+            def fetch():  # the sampler loads what this returns when it is newer: remember it
+                snapshot = weights()
+                if snapshot is not None and snapshot.version != self.sampler.version:
+                    self.snapshot = snapshot
+                return snapshot
         problems = self.task.sample(s.prompts_per_step, random.Random(step_seed(s.seed, step, 1)), "train")
         prompts = [self.tokenizer.encode(p.prompt) for p in problems for _ in range(s.group_size)]
         groups = [i for i in range(len(problems)) for _ in range(s.group_size)]
         batch = self.sampler.generate(prompts, s.sampling, s.max_new_tokens, seed=step_seed(s.seed, step, 2),
-                                      group=groups)
+                                      group=groups, weights=fetch, refresh=s.refresh,
+                                      refresh_every=s.refresh_every)
         t_generate = time.perf_counter()
+        if s.reward_latency:
+            time.sleep(s.reward_latency * s.prompts_per_step)
         completions = [self.tokenizer.decode(c) for c in batch.completions()]
         success = torch.tensor([self.task.score(problems[g], c) for g, c in zip(groups, completions)])
         reward = shape_rewards(success, batch.group, s.reward_mode)

@@ -4,6 +4,7 @@
                                sampler.safetensors  the snapshot the rollout worker last loaded (pre-view)
                                optim.pt             optimizer state
                                state.json           counters: step, version, sampler_version, ...
+                               snapshot_000038.safetensors  weights published after step 38 (a lagged sampler's)
     RUN/checkpoints/latest                          the name of the newest complete checkpoint
 
 A checkpoint is written to a hidden temporary folder and renamed into place, then ``latest`` is
@@ -27,7 +28,9 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, optimizer: dict, state: dict) -> Path:
+def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, optimizer: dict, state: dict,
+                    snapshots: dict[int, dict] | None = None) -> Path:
+    """``snapshots``: published weights a resumed run still needs (a lagged sampler), by step count."""
     root = Path(run_dir) / "checkpoints"
     name = f"step_{step:06d}"
     tmp = root / f".{name}.tmp"
@@ -37,6 +40,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, opt
     save_file({k: v.detach().contiguous() for k, v in model.items()}, str(tmp / "model.safetensors"))
     save_file({k: v.contiguous() for k, v in sampler.items()}, str(tmp / "sampler.safetensors"))
     torch.save(optimizer, tmp / "optim.pt")
+    for i, snap in (snapshots or {}).items():
+        save_file({k: v.contiguous() for k, v in snap.items()}, str(tmp / f"snapshot_{i:06d}.safetensors"))
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
     final = root / name
     if final.exists():
@@ -59,6 +64,7 @@ def load_checkpoint(path: Path, *, weights_only: bool = False) -> dict:
     if not weights_only:
         out["sampler"] = load_file(str(path / "sampler.safetensors"))
         out["optimizer"] = torch.load(path / "optim.pt", weights_only=True)
+        out["snapshots"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("snapshot_*.safetensors"))}
     return out
 
 

@@ -86,9 +86,24 @@ class RolloutSection:
     top_k: int = 0
     top_p: float = 1.0
     head_k: int = 32
+    mode: str = "sync"  # sync | async (a rollout worker thread; staleness bounded by `staleness_bound`)
+    staleness_bound: int = 1  # async: η, the most versions a consumed token may be behind the learner
+    lag: int = 0  # sync: batch s is sampled from version max(0, s − lag) (a deterministic virtual clock)
+    refresh: str = "pin"  # in-flight weight refresh: pin | recompute | retain
+    refresh_every: int = 8  # tokens between refresh checks
+    reward_latency: float = 0.0  # seconds of injected wait per prompt group (tool calls, verifiers)
 
     def __post_init__(self):
-        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens")
+        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"rollout.mode must be 'sync' or 'async', got {self.mode!r}")
+        if self.refresh not in ("pin", "recompute", "retain"):
+            raise ValueError(f"rollout.refresh must be pin, recompute or retain, got {self.refresh!r}")
+        for name in ("staleness_bound", "lag"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"rollout.{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not self.reward_latency >= 0:
+            raise ValueError(f"rollout.reward_latency must be >= 0, got {self.reward_latency!r}")
         if not isinstance(self.head_k, int) or self.head_k < 0:
             raise ValueError(f"rollout.head_k must be an integer >= 0, got {self.head_k!r}")
         try:

@@ -38,7 +38,8 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
     return RolloutSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                            max_new_tokens=r.max_new_tokens, sampling=r.sampling(),
                            reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
-                           head_k=r.head_k, seed=config.train.seed)
+                           head_k=r.head_k, seed=config.train.seed, refresh=r.refresh, refresh_every=r.refresh_every,
+                           reward_latency=r.reward_latency)
 
 
 class Run:
@@ -67,6 +68,9 @@ class Run:
         self.reward_ema: float | None = None
         self.best_reward_ema = 0.0
         self.last_eval: float | None = None
+        self.lag = config.rollout.lag
+        self.history: dict[int, Snapshot] = {}  # lag > 0: weights published after each step count
+        self._sources: dict = {}
 
     @property
     def policy(self):
@@ -76,11 +80,23 @@ class Run:
     def step(self) -> dict:
         cfg, s = self.config, self.step_index
         t0 = time.perf_counter()
-        refreshed = self.sync.should_refresh(s) or self.worker.snapshot is None
-        if refreshed:  # publish the learner's weights to the worker (which applies its mismatch view)
-            self.worker.load(self.learner.publish())
+        if self.lag:  # a virtual clock: batch s comes from the weights after max(0, s − lag) steps
+            if not self.history:
+                self.history[s] = self.learner.publish()
+            snapshot = self.history[max(0, s - self.lag)]
+            refreshed = self.worker.snapshot is None or self.worker.snapshot.version != snapshot.version
+            if refreshed:
+                self.worker.load(snapshot)
+        else:
+            refreshed = self.sync.should_refresh(s) or self.worker.snapshot is None
+            if refreshed:  # publish the learner's weights to the worker (which applies its mismatch view)
+                self.worker.load(self.learner.publish())
         batch, rollout = self.worker.produce(s)
         learner = self.learner.update(batch)
+        if self.lag:
+            self.history[s + 1] = self.learner.publish()
+            for old in [k for k in self.history if k < s + 1 - self.lag]:
+                del self.history[old]
         self.reward_ema = rollout["reward"] if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * rollout["reward"]
         self.best_reward_ema = max(self.best_reward_ema, self.reward_ema)
         run = {"step": s, "sampler_refreshed": bool(refreshed),
@@ -148,7 +164,9 @@ class Run:
             self.dir, self.step_index, model=learner["model"], sampler=snapshot.state, optimizer=learner["optimizer"],
             state={"version": learner["version"], "sampler_version": snapshot.version,
                    "skipped_steps": learner["skipped_steps"], "reward_ema": self.reward_ema,
-                   "best_reward_ema": self.best_reward_ema, "last_eval": self.last_eval})
+                   "best_reward_ema": self.best_reward_ema, "last_eval": self.last_eval,
+                   "snapshot_versions": {str(k): v.version for k, v in self.history.items()}},
+            snapshots={k: v.state for k, v in self.history.items()})
 
     def load_checkpoint(self, path: Path) -> None:
         ckpt = checkpoint.load_checkpoint(path)
@@ -159,6 +177,8 @@ class Run:
         self.reward_ema, self.best_reward_ema = state["reward_ema"], state["best_reward_ema"]
         self.last_eval = state["last_eval"]
         self.worker.load(Snapshot(ckpt["sampler"], state["sampler_version"]))
+        versions = state.get("snapshot_versions", {})
+        self.history = {k: Snapshot(v, versions[str(k)]) for k, v in ckpt["snapshots"].items()}
 
 
 def _truncate_metrics(path: Path, completed: int) -> None:
@@ -172,4 +192,7 @@ def _truncate_metrics(path: Path, completed: int) -> None:
 def train(config: RunConfig, run_dir=None, *, resume: bool = False, overwrite: bool = False,
           progress: bool | None = None) -> Path:
     torch.manual_seed(config.train.seed)
-    return Run(config, run_dir, progress=progress).run(resume=resume, overwrite=overwrite)
+    driver = Run
+    if config.rollout.mode == "async":
+        from driftless.train.async_loop import AsyncRun as driver
+    return driver(config, run_dir, progress=progress).run(resume=resume, overwrite=overwrite)
