@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--problems", type=int, help="how many held-out problems (default: the run's)")
     ev.set_defaults(func=_eval)
 
+    rp = sub.add_parser("replay", help="re-run an asynchronous run's learner from its trace; compare")
+    rp.add_argument("run", help="a run directory written with train.trace=true")
+    rp.set_defaults(func=_replay)
+
     cal = sub.add_parser("calibrate", help="train named settings without mismatch, several seeds; held-out gains")
     cal.add_argument("--settings", nargs="+", default=None, help="names from driftless.experiments.calibrate.SETTINGS")
     cal.add_argument("--seeds", type=int, default=3)
@@ -154,6 +158,33 @@ def _eval(args) -> int:
 
     print(json.dumps(evaluate_run(args.run, problems=args.problems)))
     return 0
+
+
+def _replay(args) -> int:
+    from pathlib import Path
+
+    from driftless.train.checkpoint import latest_checkpoint, load_checkpoint
+    from driftless.train.loop import TIMING_KEYS
+    from driftless.train.trace import replay
+
+    run = Path(args.run)
+    metrics, learner = replay(run)
+    original = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = [k for k in metrics[-1] if k not in TIMING_KEYS]
+    equal_metrics = all({k: m.get(k) for k in keys} == {k: o.get(k) for k in keys} for m, o in zip(metrics, original))
+    result = {"run": str(run), "steps": len(metrics), "metrics_equal": equal_metrics and len(metrics) == len(original)}
+    ckpt = latest_checkpoint(run)
+    if ckpt is not None and load_checkpoint(ckpt, weights_only=True)["state"]["step"] == len(metrics):
+        final = load_checkpoint(ckpt, weights_only=True)["model"]
+        result["weights_equal"] = all(torch_equal(v, final[k]) for k, v in learner.policy.state_dict().items())
+    print(json.dumps(result))
+    return 0 if result["metrics_equal"] and result.get("weights_equal", True) else 1
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 def _calibrate(args) -> int:

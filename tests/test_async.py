@@ -96,3 +96,17 @@ def test_async_settings_are_checked():
         load_config(None, ["rollout.mode=ray"])
     with pytest.raises(ValueError, match="rollout.staleness_bound"):
         load_config(None, ["rollout.staleness_bound=-1"])
+
+
+def test_an_async_run_replays_from_its_trace(tmp_path, capsys):
+    from driftless.cli import main
+
+    cfg = load_config(None, [*SMALL, "rollout.mode=async", "rollout.staleness_bound=2", "rollout.refresh=retain",
+                             "rollout.refresh_every=1", "rollout.max_new_tokens=3", "train.steps=8",
+                             "train.checkpoint_every=8", "train.trace=true", "objective.name=sc"])
+    d = train(cfg, tmp_path / "run")
+    assert len(list((d / "trace").glob("step_*.safetensors"))) == 8
+    capsys.readouterr()
+    assert main(["replay", str(d)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result == {"run": str(d), "steps": 8, "metrics_equal": True, "weights_equal": True}

@@ -26,6 +26,7 @@ import time
 import torch
 
 from driftless.train.loop import Run
+from driftless.train.trace import write_batch
 
 WAIT_S = 600.0  # the longest any wait may take before the run fails (nothing waits forever)
 
@@ -117,6 +118,8 @@ class AsyncRun(Run):
             self.stale_rows_dropped += int(stale.sum())
             keep = torch.nonzero(~stale).squeeze(1)
             batch = batch.select(keep) if len(keep) else None
+        if cfg.train.trace:
+            write_batch(self.dir, s, batch)
         ages = (v - batch.version[batch.action_mask]) if batch is not None else torch.zeros(0, dtype=torch.long)
         if len(ages):
             self.max_staleness_observed = max(self.max_staleness_observed, int(ages.max()))

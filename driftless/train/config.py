@@ -204,6 +204,7 @@ class TrainSection:
     ppo_epochs: int = 1  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
     minibatches: int = 1  # optimizer steps per pass (rows split into contiguous minibatches)
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard | wandb
+    trace: bool = False  # async runs: record every consumed batch under RUN/trace/ (driftless replay)
 
     def __post_init__(self):
         _positive("train", self, "steps", "eval_every", "eval_problems", "checkpoint_every", "ppo_epochs",
