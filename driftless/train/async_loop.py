@@ -97,16 +97,8 @@ class AsyncRun(Run):
     def step(self) -> dict:
         cfg, s = self.config, self.step_index
         t0 = time.perf_counter()
-        if self._thread is None:
-            self._start()
-        try:
-            item = self._queue.get(timeout=WAIT_S)
-        except queue.Empty:
-            raise TimeoutError(f"no batch from the rollout worker within {WAIT_S} s") from None
+        produced, batch, rollout, info = self._next(s)
         self.idle["learner_wait_s"] += time.perf_counter() - t0
-        if item is None:
-            raise RuntimeError("the rollout worker failed") from self._error
-        produced, batch, rollout, info = item
         if produced != s:
             raise RuntimeError(f"batch {produced} arrived for step {s}: batches are consumed in submission order")
         consumed_at = time.time()
@@ -125,9 +117,7 @@ class AsyncRun(Run):
             self.max_staleness_observed = max(self.max_staleness_observed, int(ages.max()))
         learner = self.learner.update(batch) if batch is not None else {"version": v, "skipped_steps":
                                                                         self.learner.skipped_steps}
-        self.published.set(self.learner.publish())
-        with self._progress:
-            self._progress.notify_all()
+        self._publish()
         created = float(batch.created.max()) if batch is not None and batch.created is not None else consumed_at
         queue_info = {
             "stale_rows_dropped": self.stale_rows_dropped,
@@ -158,6 +148,23 @@ class AsyncRun(Run):
         self.last_eval = evaluate(self.policy, self.task, self.tokenizer, self.eval_problems,
                                   max_new_tokens=self.config.rollout.max_new_tokens)["eval_reward"]
         return {"eval_reward": self.last_eval, "eval_s": time.perf_counter() - t}
+
+    def _next(self, s: int):
+        """The next batch for the learner: (step it was produced for, batch, worker metrics, timing info)."""
+        if self._thread is None:
+            self._start()
+        try:
+            item = self._queue.get(timeout=WAIT_S)
+        except queue.Empty:
+            raise TimeoutError(f"no batch from the rollout worker within {WAIT_S} s") from None
+        if item is None:
+            raise RuntimeError("the rollout worker failed") from self._error
+        return item
+
+    def _publish(self) -> None:
+        self.published.set(self.learner.publish())
+        with self._progress:
+            self._progress.notify_all()
 
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:

@@ -1,0 +1,141 @@
+"""Asynchronous collection with Ray: the rollout worker as an actor, weights through the object store.
+
+Same pipeline and staleness bound as ``AsyncRun`` (which this subclasses), with the worker in a
+Ray actor (``rollout.runtime=ray``, needs ``pip install driftless[ray]``):
+
+- **Weights**: after every update the learner puts its snapshot in the object store; a batch is
+  submitted with the newest snapshot's reference. Only the last η + 2 references are kept, so
+  the store stays flat over any number of updates.
+- **Admission**: batch s is submitted only once ``learner.version ≥ s·k − η``; the actor
+  produces batches one after the other, each from the snapshot it was submitted with.
+- **Resources and waits**: ``ray.init(num_cpus=rollout.ray_num_cpus)`` when no cluster is
+  connected (``RAY_ADDRESS`` or an earlier ``ray.init`` joins one unchanged); the actor asks for
+  one CPU; every ``ray.get`` has a timeout.
+- **Faults**: an actor that dies (``ray.kill``, a crashed node) is replaced by a new one on the
+  learner's current weights, and every batch it had not delivered is produced again from its
+  step's seed. A batch is produced whole or not at all, so partial groups are never trained,
+  and no sample is lost or used twice (sample ids: (step, row)).
+
+Alignment needs nothing from the runtime environment: aligned execution is invariant by
+construction, so a worker only needs the same driftless and torch versions (for a cluster:
+``ray.init(runtime_env={"pip": ["driftless==<version>", "torch==<version>"]})``, or an image).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from driftless.train.async_loop import WAIT_S, AsyncRun
+
+
+def _actor_class():
+    import ray
+
+    @ray.remote(num_cpus=1, max_restarts=0)
+    class RolloutActor:
+        def __init__(self, config, state, threads: int):
+            torch.set_num_threads(threads)
+            from driftless.mismatch import parse_view
+            from driftless.rollout.worker import RolloutWorker
+            from driftless.tasks import CharTokenizer
+            from driftless.train.factory import make_policy
+            from driftless.train.loop import rollout_settings
+
+            tokenizer = CharTokenizer()
+            self.worker = RolloutWorker(make_policy(config, tokenizer, state), config.task.build(), tokenizer,
+                                        rollout_settings(config), view=parse_view(config.mismatch.view))
+
+        def produce(self, step: int, snapshot):
+            if self.worker.snapshot is None or self.worker.snapshot.version != snapshot.version:
+                self.worker.load(snapshot)
+            admitted = time.time()
+            start_version = self.worker.version
+            batch, metrics = self.worker.produce(step)
+            return step, batch, metrics, {"admitted": admitted, "start_version": start_version}
+
+        def pid(self) -> int:
+            import os
+
+            return os.getpid()
+
+    return RolloutActor
+
+
+class RayRun(AsyncRun):
+    def __init__(self, config, run_dir=None, *, progress=None):
+        super().__init__(config, run_dir, progress=progress)
+        try:
+            import ray
+        except ImportError as err:
+            raise ValueError("rollout.runtime=ray needs Ray: pip install 'driftless[ray]'") from err
+        self.ray = ray
+        self.actor = None
+        self.refs: collections.deque = collections.deque(maxlen=self.eta + 2)  # published snapshots, newest last
+        self.in_flight: dict[int, object] = {}  # step -> the actor's future
+        self.next_submit = 0
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ the actor
+    def _start(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            ray.init(num_cpus=self.config.rollout.ray_num_cpus, include_dashboard=False, log_to_driver=False)
+        self._new_actor()
+        self.next_submit = self.step_index
+        self._thread = True  # started (AsyncRun's flag)
+
+    def _new_actor(self) -> None:
+        self.refs.append(self._put())
+        self.actor = _actor_class().remote(self.config, self.learner.policy.state_dict(), 1)
+
+    def _put(self):
+        snap = self.learner.publish()
+        self.worker.snapshot = snap  # what the checkpoint records as the sampler's weights (the local worker idles)
+        return self.ray.put(snap)
+
+    def _submit(self) -> None:
+        """Submit every admitted batch not yet in flight, with the newest snapshot."""
+        while self.next_submit < self.config.train.steps and self._admitted(self.next_submit):
+            s = self.next_submit
+            self.in_flight[s] = (self.actor.produce.remote(s, self.refs[-1]), time.time(), self.learner.version)
+            self.next_submit += 1
+
+    def _next(self, s: int):
+        if self.actor is None:
+            self._start()
+        self._submit()
+        deadline = time.time() + WAIT_S
+        while True:
+            future, submitted, version = self.in_flight[s]
+            try:
+                produced, batch, metrics, info = self.ray.get(future, timeout=max(1.0, deadline - time.time()))
+                break
+            except self.ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"no batch from the Ray rollout actor within {WAIT_S} s") from None
+            except self.ray.exceptions.RayActorError:  # the actor died: replace it, redo what it owed
+                self.restarts += 1
+                lost = sorted(self.in_flight)
+                self.in_flight.clear()
+                self._new_actor()
+                self.next_submit = lost[0]
+                self._submit()
+        del self.in_flight[s]
+        info["enqueue_learner_version"] = version
+        batch = batch.replace(enqueued=torch.full((batch.batch_size,), submitted, dtype=torch.float64))
+        metrics["actor_restarts"] = self.restarts
+        return produced, batch, metrics, info
+
+    def _publish(self) -> None:
+        self.refs.append(self._put())  # the deque drops the oldest: at most η + 2 snapshots stay referenced
+        self._submit()
+
+    def close(self) -> None:
+        if self.actor is not None:
+            self.ray.kill(self.actor)
+            self.actor = None
+        self.in_flight.clear()
+        self.refs.clear()
+        self._thread = None
