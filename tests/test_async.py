@@ -110,3 +110,42 @@ def test_an_async_run_replays_from_its_trace(tmp_path, capsys):
     assert main(["replay", str(d)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result == {"run": str(d), "steps": 8, "metrics_equal": True, "weights_equal": True}
+
+
+def test_lag_with_in_flight_refresh_is_deterministic_and_labels_versions(tmp_path):
+    extra = ["rollout.lag=1", "rollout.refresh=recompute", "rollout.refresh_every=1", "rollout.max_new_tokens=4",
+             "train.steps=6"]
+    for name in ("a", "b"):
+        Run(load_config(None, [*SMALL, *extra]), tmp_path / name).run()
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]  # noqa: E731
+    a = rows(tmp_path / "a")
+    assert strip(a) == strip(rows(tmp_path / "b"))  # the refresh schedule is seeded
+    ages = [r["sampler_age_max"] for r in a]
+    assert ages[0] == 0 and max(ages) == 1
+    # some responses picked up the next version mid-generation: their batch mixes ages 1 and 0
+    assert any(0 < r["sampler_age_mean"] < 1 for r in a[1:])
+
+
+def test_async_resume_keeps_the_bound(tmp_path):
+    extra = ["rollout.mode=async", "rollout.staleness_bound=1", "train.steps=8", "train.checkpoint_every=2"]
+    crashing = AsyncRun(load_config(None, [*SMALL, *extra]), tmp_path)
+    real = crashing.step
+
+    def step():
+        if crashing.step_index == 4:
+            raise RuntimeError("killed")
+        return real()
+    crashing.step = step
+    with pytest.raises(RuntimeError, match="killed"):
+        crashing.run()
+    resumed = AsyncRun(load_config(None, [*SMALL, *extra]), tmp_path)
+    update = resumed.learner.update
+
+    def slow(batch):
+        time.sleep(0.05)
+        return update(batch)
+    resumed.learner.update = slow
+    resumed.run(resume=True)
+    lines = rows(tmp_path)
+    assert [r["step"] for r in lines] == list(range(8))
+    assert max(r["staleness_max"] for r in lines[4:]) <= 1  # no burst after the resume

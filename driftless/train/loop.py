@@ -11,6 +11,7 @@ with the lines the uninterrupted run would have written.
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from driftless.mismatch import SyncPolicy, parse_view
 from driftless.rollout import Snapshot
-from driftless.rollout.worker import RolloutSettings, RolloutWorker
+from driftless.rollout.worker import RolloutSettings, RolloutWorker, step_seed
 from driftless.tasks import CharTokenizer
 from driftless.train import checkpoint
 from driftless.train.config import RunConfig, dump_config
@@ -91,7 +92,7 @@ class Run:
             refreshed = self.sync.should_refresh(s) or self.worker.snapshot is None
             if refreshed:  # publish the learner's weights to the worker (which applies its mismatch view)
                 self.worker.load(self.learner.publish())
-        batch, rollout = self.worker.produce(s)
+        batch, rollout = self.worker.produce(s, weights=self._virtual_refresh(s))
         learner = self.learner.update(batch)
         if self.lag:
             self.history[s + 1] = self.learner.publish()
@@ -111,6 +112,21 @@ class Run:
         metrics["step_time"] = time.perf_counter() - t0
         self._sources = {"rollout": rollout, "learner": learner, "run": run}
         return metrics
+
+    def _virtual_refresh(self, s: int):
+        """With a lag and an in-flight refresh policy: the next version arrives mid-response at refresh
+        checks drawn from a seeded schedule (probability 1/2 per check, keyed by (seed, step))."""
+        if not self.lag or self.config.rollout.refresh == "pin" or s - self.lag + 1 not in self.history:
+            return None
+        rng = random.Random(step_seed(self.config.train.seed, s, 3))
+        newer = self.history[max(0, s - self.lag + 1)]
+        arrived = []
+
+        def weights():
+            if not arrived and rng.random() < 0.5:
+                arrived.append(True)
+            return newer if arrived else None
+        return weights
 
     # ------------------------------------------------------------------ driving
     def run(self, resume: bool = False, overwrite: bool = False) -> Path:
