@@ -117,7 +117,7 @@ def test_lag_with_in_flight_refresh_is_deterministic_and_labels_versions(tmp_pat
              "train.steps=6"]
     for name in ("a", "b"):
         Run(load_config(None, [*SMALL, *extra]), tmp_path / name).run()
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]
     a = rows(tmp_path / "a")
     assert strip(a) == strip(rows(tmp_path / "b"))  # the refresh schedule is seeded
     ages = [r["sampler_age_max"] for r in a]
