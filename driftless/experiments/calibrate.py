@@ -18,12 +18,13 @@ from driftless.train import load_config
 
 # The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
 # configs/default.yaml; the mismatch is always off.
-_N3 = ["task.n_numbers=3", "rollout.prompts_per_step=16", "train.steps=200",
-       "train.eval_every=25"]
-_P16 = ["rollout.prompts_per_step=16", "train.eval_every=25"]
+_N3 = ["task.n_numbers=3", "rollout.prompts_per_step=16", "train.steps=200", "train.eval_every=25",
+       "optim.schedule=constant"]
+_P16 = ["rollout.prompts_per_step=16", "train.eval_every=25", "optim.schedule=constant"]
 SETTINGS: dict[str, list[str]] = {
     "previous-default": ["task.n_numbers=3", "warm_start.steps=1000", "optim.name=sgd", "optim.lr=0.5",
-                         "rollout.prompts_per_step=16", "train.steps=100", "train.eval_every=25"],
+                         "optim.schedule=constant", "rollout.prompts_per_step=16", "train.steps=100",
+                         "train.eval_every=25"],
     "n3-ws200-adam3e-4": [*_N3, "warm_start.steps=200", "optim.lr=3e-4"],
     "n3-ws100-adam3e-4": [*_N3, "warm_start.steps=100", "optim.lr=3e-4"],
     "n3-ws400-adam3e-4": [*_N3, "warm_start.steps=400", "optim.lr=3e-4"],

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from driftless.train.loop import Run
+from driftless.train.loop import COLLAPSE_FRACTION, Run
 from driftless.train.trace import write_batch
 
 WAIT_S = 600.0  # the longest any wait may take before the run fails (nothing waits forever)
@@ -132,7 +132,8 @@ class AsyncRun(Run):
         self.reward_ema = rollout["reward"] if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * rollout["reward"]
         self.best_reward_ema = max(self.best_reward_ema, self.reward_ema)
         run = {"step": s, "sampler_refreshed": True,
-               "collapsed": bool(self.best_reward_ema >= 0.1 and self.reward_ema < 0.5 * self.best_reward_ema)}
+               "collapsed": bool(self.best_reward_ema >= 0.1
+                                 and self.reward_ema < COLLAPSE_FRACTION * self.best_reward_ema)}
         self.step_index += 1
         metrics = {**learner, **rollout, **queue_info, **run}
         if self.step_index % cfg.train.eval_every == 0 or self.step_index == cfg.train.steps:
