@@ -87,7 +87,9 @@ def snap(x: torch.Tensor, bits: int) -> torch.Tensor:
     amax = x.abs().amax(-1, keepdim=True)
     if x.dtype == torch.float32:
         e = torch.frexp(amax)[1].clamp_(bits - 126, 127 + bits)  # amax < 2^e; both scales stay normal floats
-        return (torch.round(x * _pow2_f32(bits - e)) * _pow2_f32(e - bits)).double()
+        up_bits = (bits + 127 - e) << 23  # the bits of 2^(bits − e)
+        up, down = up_bits.view(torch.float32), ((254 << 23) - up_bits).view(torch.float32)  # and of 2^(e − bits)
+        return (torch.round(x * up) * down).double()
     e = exponent_bound(amax.double())
     return torch.round(x.double() * pow2(bits - e)) * pow2(e - bits)
 
