@@ -149,3 +149,27 @@ def test_async_resume_keeps_the_bound(tmp_path):
     lines = rows(tmp_path)
     assert [r["step"] for r in lines] == list(range(8))
     assert max(r["staleness_max"] for r in lines[4:]) <= 1  # no burst after the resume
+
+
+def test_a_sigkilled_rollout_process_is_replaced_and_no_batch_is_lost_or_repeated(tmp_path):
+    import os
+    import signal
+
+    from driftless.train.process_loop import ProcessRun
+
+    run = ProcessRun(load_config(None, [*SMALL, "rollout.mode=async", "rollout.runtime=process",
+                                        "rollout.staleness_bound=2", "train.steps=10"]), tmp_path)
+    publish, killed = run._publish, []
+
+    def kill_once():
+        if run.learner.version == 3 and not killed:
+            killed.append(run.proc.pid)
+            os.kill(run.proc.pid, signal.SIGKILL)  # whatever it was generating is lost with it
+        publish()
+    run._publish = kill_once
+    run.run()
+    lines = rows(tmp_path)
+    assert killed and lines[-1]["worker_restarts"] == 1
+    assert [r["step"] for r in lines] == list(range(10))  # every step once, in order
+    assert max(r["staleness_max"] for r in lines) <= 2 and lines[-1]["version"] == 10
+    assert sum(r["reward"] for r in lines[-3:]) / 3 > sum(r["reward"] for r in lines[:3]) / 3  # it went on learning

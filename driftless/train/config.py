@@ -92,13 +92,13 @@ class RolloutSection:
     refresh: str = "pin"  # in-flight weight refresh: pin | recompute | retain
     refresh_every: int = 8  # tokens between refresh checks
     reward_latency: float = 0.0  # seconds of injected wait per prompt group (tool calls, verifiers)
-    runtime: str = "local"  # async: local (a thread) | ray (an actor; pip install driftless[ray])
+    runtime: str = "local"  # async: local (a thread) | process (a spawned process) | ray (an actor)
     ray_num_cpus: int = 2  # CPUs given to ray.init when no cluster is connected
 
     def __post_init__(self):
         _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every")
-        if self.runtime not in ("local", "ray"):
-            raise ValueError(f"rollout.runtime must be 'local' or 'ray', got {self.runtime!r}")
+        if self.runtime not in ("local", "process", "ray"):
+            raise ValueError(f"rollout.runtime must be 'local', 'process' or 'ray', got {self.runtime!r}")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"rollout.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.refresh not in ("pin", "recompute", "retain"):

@@ -211,6 +211,8 @@ def train(config: RunConfig, run_dir=None, *, resume: bool = False, overwrite: b
     driver = Run
     if config.rollout.mode == "async" and config.rollout.runtime == "ray":
         from driftless.train.ray_loop import RayRun as driver
+    elif config.rollout.mode == "async" and config.rollout.runtime == "process":
+        from driftless.train.process_loop import ProcessRun as driver
     elif config.rollout.mode == "async":
         from driftless.train.async_loop import AsyncRun as driver
     return driver(config, run_dir, progress=progress).run(resume=resume, overwrite=overwrite)
