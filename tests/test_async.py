@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+from conftest import run_until_killed
 
 from driftless.train import load_config, train
 from driftless.train.async_loop import AsyncRun
@@ -69,16 +70,7 @@ def test_lag_samples_batch_s_from_version_s_minus_lag_and_resumes_exactly(tmp_pa
     Run(load_config(None, [*SMALL, *extra]), tmp_path / "a").run()
     lines = rows(tmp_path / "a")
     assert [r["sampler_age_max"] for r in lines] == [0, 1, 2, 2, 2, 2]
-    crashing = Run(load_config(None, [*SMALL, *extra]), tmp_path / "b")
-    real = crashing.step
-
-    def step():
-        if crashing.step_index == 3:
-            raise RuntimeError("killed")
-        return real()
-    crashing.step = step
-    with pytest.raises(RuntimeError, match="killed"):
-        crashing.run()
+    run_until_killed(Run(load_config(None, [*SMALL, *extra]), tmp_path / "b"), 3)
     Run(load_config(None, [*SMALL, *extra]), tmp_path / "b").run(resume=True)
     strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]
     assert strip(rows(tmp_path / "b")) == strip(lines)
@@ -128,16 +120,7 @@ def test_lag_with_in_flight_refresh_is_deterministic_and_labels_versions(tmp_pat
 
 def test_async_resume_keeps_the_bound(tmp_path):
     extra = ["rollout.mode=async", "rollout.staleness_bound=1", "train.steps=8", "train.checkpoint_every=2"]
-    crashing = AsyncRun(load_config(None, [*SMALL, *extra]), tmp_path)
-    real = crashing.step
-
-    def step():
-        if crashing.step_index == 4:
-            raise RuntimeError("killed")
-        return real()
-    crashing.step = step
-    with pytest.raises(RuntimeError, match="killed"):
-        crashing.run()
+    run_until_killed(AsyncRun(load_config(None, [*SMALL, *extra]), tmp_path), 4)
     resumed = AsyncRun(load_config(None, [*SMALL, *extra]), tmp_path)
     update = resumed.learner.update
 

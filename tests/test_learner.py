@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import run_until_killed
 
 from driftless.objectives import make
 from driftless.rollout import score_batch
@@ -103,16 +104,7 @@ def test_tensorboard_and_wandb_sinks_receive_the_same_metrics(tmp_path, monkeypa
 def test_linear_schedule_decays_and_resumes_exactly(tmp_path):
     extra = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", "optim.schedule=linear"]
     Run(load_config(None, [*TINY, *extra]), tmp_path / "a").run()
-    crashing = Run(load_config(None, [*TINY, *extra]), tmp_path / "b")
-    real_step = crashing.step
-
-    def step():
-        if crashing.step_index == 2:  # killed after the checkpoint of step 2
-            raise RuntimeError("killed")
-        return real_step()
-    crashing.step = step
-    with pytest.raises(RuntimeError, match="killed"):
-        crashing.run()
+    run_until_killed(Run(load_config(None, [*TINY, *extra]), tmp_path / "b"), 2)  # after the checkpoint of step 2
     Run(load_config(None, [*TINY, *extra]), tmp_path / "b").run(resume=True)
     from driftless.train.loop import TIMING_KEYS
 
