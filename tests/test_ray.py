@@ -60,3 +60,21 @@ def test_a_killed_rollout_actor_is_replaced_and_no_batch_is_lost_or_repeated(tmp
     assert [r["step"] for r in lines] == list(range(10))  # every step once, in order
     assert max(r["staleness_max"] for r in lines) <= 2
     assert lines[-1]["version"] == 10
+
+
+def test_two_rollout_actors_share_the_batches_and_one_can_die(tmp_path):
+    run = RayRun(load_config(None, [*SMALL, "train.steps=10", "rollout.staleness_bound=2", "rollout.workers=2"]),
+                 tmp_path)
+    publish, killed = run._publish, []
+
+    def kill_second_once():
+        if run.learner.version == 4 and not killed:
+            killed.append(True)
+            ray.kill(run.actors[1])
+        publish()
+    run._publish = kill_second_once
+    run.run()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert killed and lines[-1]["actor_restarts"] == 1
+    assert [r["step"] for r in lines] == list(range(10)) and lines[-1]["version"] == 10
+    assert max(r["staleness_max"] for r in lines) <= 2

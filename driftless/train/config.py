@@ -94,9 +94,10 @@ class RolloutSection:
     reward_latency: float = 0.0  # seconds of injected wait per prompt group (tool calls, verifiers)
     runtime: str = "local"  # async: local (a thread) | process (a spawned process) | ray (an actor)
     ray_num_cpus: int = 2  # CPUs given to ray.init when no cluster is connected
+    workers: int = 1  # runtime=ray: rollout actors producing batches in turn
 
     def __post_init__(self):
-        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every")
+        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every", "workers")
         if self.runtime not in ("local", "process", "ray"):
             raise ValueError(f"rollout.runtime must be 'local', 'process' or 'ray', got {self.runtime!r}")
         if self.mode not in ("sync", "async"):

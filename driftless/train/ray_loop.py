@@ -1,7 +1,8 @@
 """Asynchronous collection with Ray: the rollout worker as an actor, weights through the object store.
 
-Same pipeline and staleness bound as ``AsyncRun`` (which this subclasses), with the worker in a
-Ray actor (``rollout.runtime=ray``, needs ``pip install driftless[ray]``):
+Same pipeline and staleness bound as ``AsyncRun`` (which this subclasses), with the workers in
+Ray actors (``rollout.runtime=ray``, ``rollout.workers`` of them, batch s to actor s mod N;
+needs ``pip install driftless[ray]``):
 
 - **Weights**: after every update the learner puts its snapshot in the object store; a batch is
   submitted with the newest snapshot's reference. Only the last η + 2 references are kept, so
@@ -72,24 +73,29 @@ class RayRun(AsyncRun):
         except ImportError as err:
             raise ValueError("rollout.runtime=ray needs Ray: pip install 'driftless[ray]'") from err
         self.ray = ray
-        self.actor = None
+        self.actors: list = []  # rollout.workers actors; batch s goes to actor s mod len(actors)
         self.refs: collections.deque = collections.deque(maxlen=self.eta + 2)  # published snapshots, newest last
         self.in_flight: dict[int, object] = {}  # step -> the actor's future
         self.next_submit = 0
         self.restarts = 0
 
-    # ------------------------------------------------------------------ the actor
+    # ------------------------------------------------------------------ the actors
+    @property
+    def actor(self):
+        """The first rollout actor (the only one with ``rollout.workers=1``)."""
+        return self.actors[0] if self.actors else None
+
     def _start(self) -> None:
         ray = self.ray
         if not ray.is_initialized():
             ray.init(num_cpus=self.config.rollout.ray_num_cpus, include_dashboard=False, log_to_driver=False)
-        self._new_actor()
+        self.refs.append(self._put())
+        self.actors = [self._new_actor() for _ in range(self.config.rollout.workers)]
         self.next_submit = self.step_index
         self._thread = True  # started (AsyncRun's flag)
 
-    def _new_actor(self) -> None:
-        self.refs.append(self._put())
-        self.actor = _actor_class().remote(self.config, self.learner.policy.state_dict(), 1)
+    def _new_actor(self):
+        return _actor_class().remote(self.config, self.learner.policy.state_dict(), 1)
 
     def _put(self):
         snap = self.learner.publish()
@@ -100,11 +106,12 @@ class RayRun(AsyncRun):
         """Submit every admitted batch not yet in flight, with the newest snapshot."""
         while self.next_submit < self.config.train.steps and self._admitted(self.next_submit):
             s = self.next_submit
-            self.in_flight[s] = (self.actor.produce.remote(s, self.refs[-1]), time.time(), self.learner.version)
+            actor = self.actors[s % len(self.actors)]
+            self.in_flight[s] = (actor.produce.remote(s, self.refs[-1]), time.time(), self.learner.version)
             self.next_submit += 1
 
     def _next(self, s: int):
-        if self.actor is None:
+        if not self.actors:
             self._start()
         self._submit()
         deadline = time.time() + WAIT_S
@@ -117,11 +124,11 @@ class RayRun(AsyncRun):
                 raise TimeoutError(f"no batch from the Ray rollout actor within {WAIT_S} s") from None
             except self.ray.exceptions.RayActorError:  # the actor died: replace it, redo what it owed
                 self.restarts += 1
-                lost = sorted(self.in_flight)
-                self.in_flight.clear()
-                self._new_actor()
-                self.next_submit = lost[0]
-                self._submit()
+                n, dead = len(self.actors), s % len(self.actors)
+                self.actors[dead] = self._new_actor()
+                for step in sorted(k for k in self.in_flight if k % n == dead):
+                    _, sent, version_then = self.in_flight[step]
+                    self.in_flight[step] = (self.actors[dead].produce.remote(step, self.refs[-1]), sent, version_then)
         del self.in_flight[s]
         info["enqueue_learner_version"] = version
         batch = batch.replace(enqueued=torch.full((batch.batch_size,), submitted, dtype=torch.float64))
@@ -133,9 +140,9 @@ class RayRun(AsyncRun):
         self._submit()
 
     def close(self) -> None:
-        if self.actor is not None:
-            self.ray.kill(self.actor)
-            self.actor = None
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.actors = []
         self.in_flight.clear()
         self.refs.clear()
         self._thread = None
