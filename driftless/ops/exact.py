@@ -47,9 +47,7 @@ def _pow2_f32(e: torch.Tensor) -> torch.Tensor:
 
 
 def exponent_bound(a: torch.Tensor) -> torch.Tensor:
-    """Integer ``e`` with ``a < 2^e`` for finite ``a >= 0`` (float64 or float32), read from the bits."""
-    if a.dtype == torch.float32:
-        return ((a.view(torch.int32) >> 23) & 0xFF).long() - 126
+    """Integer ``e`` with ``a < 2^e`` for finite ``a >= 0``, read from the float64 bits (clamped to a safe range)."""
     biased = (a.double().view(torch.int64) >> 52) & 0x7FF
     return (biased - 1022).clamp(_EXP_LO, _EXP_HI)
 
@@ -199,12 +197,6 @@ def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return g / (1.0 + exp32(-g, underflow_to_zero=False)) * up
 
 
-def exact_softmax_parts(z: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """For ``z = x − max(x)`` (≤ 0, −inf masked): (e^z, Σ e^z) with an exact, order-free sum."""
-    e = exp64(z)
-    return e, exact_sum(e, bits, dim)
-
-
 def kv_grids(k: torch.Tensor, v: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What aligned attention keeps per cached slot: K snapped per slot (over D), V as integer
     codes per slot and the slot's scale 2^(f − b) (float64). Each depends on that slot alone."""
@@ -265,7 +257,7 @@ def exact_log_softmax_values(x: torch.Tensor) -> torch.Tensor:
     """log-softmax over the last dim (−inf entries stay −inf), fp32, bitwise the same on any CPU."""
     x = x.double()
     z = x - x.amax(-1, keepdim=True)
-    _, total = exact_softmax_parts(z, reduction_bits(x.shape[-1]))
+    total = exact_sum(exp64(z), reduction_bits(x.shape[-1]))  # order-free: a sum of integer codes
     return (z - log64(total)).float()
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from driftless.train.loop import COLLAPSE_FRACTION, Run
+from driftless.train.loop import Run
 from driftless.train.trace import write_batch
 
 WAIT_S = 600.0  # the longest any wait may take before the run fails (nothing waits forever)
@@ -57,7 +57,6 @@ class AsyncRun(Run):
         t = config.train
         self.steps_per_batch = t.ppo_epochs * t.minibatches
         self.stale_rows_dropped = 0
-        self.max_staleness_observed = 0
         self._queue: queue.Queue = queue.Queue()
         self._progress = threading.Condition()
         self._stop = threading.Event()
@@ -95,7 +94,7 @@ class AsyncRun(Run):
 
     # ------------------------------------------------------------------ the learner's step
     def step(self) -> dict:
-        cfg, s = self.config, self.step_index
+        s = self.step_index
         t0 = time.perf_counter()
         produced, batch, rollout, info = self._next(s)
         self.idle["learner_wait_s"] += time.perf_counter() - t0
@@ -110,11 +109,9 @@ class AsyncRun(Run):
             self.stale_rows_dropped += int(stale.sum())
             keep = torch.nonzero(~stale).squeeze(1)
             batch = batch.select(keep) if len(keep) else None
-        if cfg.train.trace:
+        if self.config.train.trace:
             write_batch(self.dir, s, batch)
         ages = (v - batch.version[batch.action_mask]) if batch is not None else torch.zeros(0, dtype=torch.long)
-        if len(ages):
-            self.max_staleness_observed = max(self.max_staleness_observed, int(ages.max()))
         learner = self.learner.update(batch) if batch is not None else {"version": v, "skipped_steps":
                                                                         self.learner.skipped_steps}
         self._publish()
@@ -129,26 +126,7 @@ class AsyncRun(Run):
             "learner_wait_s": self.idle["learner_wait_s"],
             "worker_wait_s": self.idle["worker_wait_s"],
         }
-        self.reward_ema = rollout["reward"] if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * rollout["reward"]
-        self.best_reward_ema = max(self.best_reward_ema, self.reward_ema)
-        run = {"step": s, "sampler_refreshed": True,
-               "collapsed": bool(self.best_reward_ema >= 0.1
-                                 and self.reward_ema < COLLAPSE_FRACTION * self.best_reward_ema)}
-        self.step_index += 1
-        metrics = {**learner, **rollout, **queue_info, **run}
-        if self.step_index % cfg.train.eval_every == 0 or self.step_index == cfg.train.steps:
-            metrics.update(self._evaluate())
-        metrics["step_time"] = time.perf_counter() - t0
-        self._sources = {"rollout": rollout, "learner": learner, "queue": queue_info, "run": run}
-        return metrics
-
-    def _evaluate(self) -> dict:
-        from driftless.train.evaluate import evaluate
-
-        t = time.perf_counter()
-        self.last_eval = evaluate(self.policy, self.task, self.tokenizer, self.eval_problems,
-                                  max_new_tokens=self.config.rollout.max_new_tokens)["eval_reward"]
-        return {"eval_reward": self.last_eval, "eval_s": time.perf_counter() - t}
+        return self._finish_step(t0, rollout, learner, {"sampler_refreshed": True}, {"queue": queue_info})
 
     def _next(self, s: int):
         """The next batch for the learner: (step it was produced for, batch, worker metrics, timing info)."""

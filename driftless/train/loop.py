@@ -79,7 +79,7 @@ class Run:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict:
-        cfg, s = self.config, self.step_index
+        s = self.step_index
         t0 = time.perf_counter()
         if self.lag:  # a virtual clock: batch s comes from the weights after max(0, s − lag) steps
             if not self.history:
@@ -98,20 +98,30 @@ class Run:
             self.history[s + 1] = self.learner.publish()
             for old in [k for k in self.history if k < s + 1 - self.lag]:
                 del self.history[old]
-        self.reward_ema = rollout["reward"] if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * rollout["reward"]
+        return self._finish_step(t0, rollout, learner, {"sampler_refreshed": bool(refreshed)})
+
+    def _finish_step(self, t0: float, rollout: dict, learner: dict, extra: dict, sources: dict | None = None) -> dict:
+        """Every driver's end of a step: reward EMA and collapse flag, the step count, evaluation, timing."""
+        s = self.step_index
+        reward = rollout["reward"]
+        self.reward_ema = reward if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * reward
         self.best_reward_ema = max(self.best_reward_ema, self.reward_ema)
-        run = {"step": s, "sampler_refreshed": bool(refreshed),
+        run = {"step": s, **extra,
                "collapsed": bool(self.best_reward_ema >= 0.1 and self.reward_ema < COLLAPSE_FRACTION * self.best_reward_ema)}
         self.step_index += 1
-        metrics = {**learner, **rollout, **run}
-        if self.step_index % cfg.train.eval_every == 0 or self.step_index == cfg.train.steps:
+        metrics = {**learner, **rollout, **(sources or {}).get("queue", {}), **run}
+        if self.step_index % self.config.train.eval_every == 0 or self.step_index == self.config.train.steps:
             t_eval = time.perf_counter()
-            self.last_eval = evaluate(self.policy, self.task, self.tokenizer, self.eval_problems,
-                                      max_new_tokens=cfg.rollout.max_new_tokens)["eval_reward"]
-            metrics.update(eval_reward=self.last_eval, eval_s=time.perf_counter() - t_eval)
+            metrics.update(eval_reward=self._evaluate(), eval_s=time.perf_counter() - t_eval)
         metrics["step_time"] = time.perf_counter() - t0
-        self._sources = {"rollout": rollout, "learner": learner, "run": run}
+        self._sources = {"rollout": rollout, "learner": learner, **(sources or {}), "run": run}
         return metrics
+
+    def _evaluate(self) -> float:
+        """Held-out greedy reward of the learner's policy (kept as ``last_eval``)."""
+        self.last_eval = evaluate(self.policy, self.task, self.tokenizer, self.eval_problems,
+                                  max_new_tokens=self.config.rollout.max_new_tokens)["eval_reward"]
+        return self.last_eval
 
     def _virtual_refresh(self, s: int):
         """With a lag and an in-flight refresh policy: the next version arrives mid-response at refresh
@@ -144,9 +154,7 @@ class Run:
                                  "replace it, or choose another run directory")
             checkpoint.clear_checkpoints(self.dir)
             (self.dir / "metrics.jsonl").unlink(missing_ok=True)
-            initial = evaluate(self.policy, self.task, self.tokenizer, self.eval_problems,
-                               max_new_tokens=cfg.rollout.max_new_tokens)["eval_reward"]
-            self.last_eval = initial
+            initial = self._evaluate()
             (self.dir / "initial_eval.json").write_text(json.dumps({"eval_reward": initial,
                                                                     "warm_start": self.warm_info}, indent=2))
         checkpoint.atomic_write(self.dir / "config.yaml", dump_config(cfg))

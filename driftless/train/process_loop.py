@@ -87,13 +87,16 @@ class ProcessRun(AsyncRun):
         self._thread = True  # started (AsyncRun's flag)
 
     def _submit(self) -> None:
+        """Send every admitted request; the weights only when the learner's version changed since the last one."""
         while self.next_submit < self.config.train.steps and self._admitted(self.next_submit):
             s = self.next_submit
-            snap = self.learner.publish()
-            self.worker.snapshot = snap  # what checkpoints record as the sampler's weights
-            weights = None if snap.version == self.sent_version else snap.state
-            self.requests.put((s, snap.version, None if weights is None else _pack(weights)))
-            self.sent_version = snap.version
+            weights = None
+            if self.learner.version != self.sent_version:
+                snap = self.learner.publish()
+                self.worker.snapshot = snap  # what checkpoints record as the sampler's weights
+                weights = _pack(snap.state)
+            self.requests.put((s, self.learner.version, weights))
+            self.sent_version = self.learner.version
             self.in_flight[s] = (time.time(), self.learner.version)
             self.next_submit += 1
 
