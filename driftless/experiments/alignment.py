@@ -46,15 +46,18 @@ def _score_in_groups(policy, batch: RolloutBatch, sizes: list[int]):
 
 
 def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
-                 head_k: int = 8, groupings=((64,), (1,), (3, 1, 2)), view=None, trainer_numerics=None) -> dict:
+                 head_k: int = 8, groupings=((64,), (1,), (3, 1, 2)), view=None, trainer_numerics=None,
+                 make_sampler=None) -> dict:
     """Generate in several groupings, re-score in several groupings, aggregate the comparison.
 
-    ``view``: a sampler mismatch view; ``trainer_numerics``: the trainer's forward numerics.
+    ``view``: a sampler mismatch view; ``trainer_numerics``: the trainer's forward numerics;
+    ``make_sampler(policy, head_k, view)``: another rollout engine (default: the built-in Sampler).
     """
     trainer = make_policy()
     if isinstance(trainer, SupportsNumerics):
         trainer.numerics = trainer_numerics
-    sampler = Sampler(make_policy(), head_k=head_k, view=view)
+    make_sampler = make_sampler or (lambda policy, head_k, view: Sampler(policy, head_k=head_k, view=view))
+    sampler = make_sampler(make_policy(), head_k, view)
     sampler.load(Snapshot.of(trainer, 0))
     totals = {"tokens": 0, "equal": 0.0, "max": 0.0, "kl_sum": 0.0}
     for gi, gen_sizes in enumerate(groupings):
@@ -77,6 +80,7 @@ def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens
 
 
 MODES = ("fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc")
+OPTIONAL_MODES = ("vllm",)  # run when asked for: needs the vLLM extra (docs/vllm.md)
 
 
 def run_check(*, model_path=None, modes=MODES,
@@ -86,7 +90,8 @@ def run_check(*, model_path=None, modes=MODES,
     ``fast+quant`` / ``aligned+quant``: a sampler quantized by ``view`` against a trainer whose
     forward uses the matching ``trainer_numerics`` (``fwd-fq`` or ``native``); ``aligned-xproc``:
     sampler and trainer in two processes with other CPU kernels, BLAS path and threads
-    (``CROSS_PROCESS_ENVS``)."""
+    (``CROSS_PROCESS_ENVS``); ``vllm`` (asked for by name): a vLLM engine's q against the
+    transformers trainer's p at the same weights (the tiny Qwen3 of the ``hf`` mode)."""
     from driftless.mismatch import parse_view
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
@@ -119,14 +124,14 @@ def run_check(*, model_path=None, modes=MODES,
                     raise ValueError(f"view {view!r} has no quantization for the {mode} mode")
                 kwargs = {"view": sampler_view, "trainer_numerics": sampler_view.quant.numerics.for_trainer(trainer_numerics)}
             out[mode] = check_policy(make, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed, **kwargs)
-        elif mode == "hf":
+        elif mode in ("hf", "vllm"):
             try:
                 from driftless.models.hf import HFPolicy, tiny_qwen3_config
-            except ImportError:
-                continue
-            try:
+
                 hf_config = tiny_qwen3_config(vocab_size=vocab)
             except ImportError:
+                if mode == "vllm":
+                    raise
                 continue
             torch.manual_seed(seed)
             hf_state = HFPolicy(hf_config).state_dict()
@@ -135,13 +140,20 @@ def run_check(*, model_path=None, modes=MODES,
                 m = HFPolicy(hf_config)
                 m.load_state_dict(hf_state)
                 return m
-            out["hf"] = check_policy(make_hf, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
+            kwargs = {}
+            if mode == "vllm":
+                from driftless.rollout.vllm import VLLMSampler
+
+                kwargs["make_sampler"] = lambda policy, head_k, view: VLLMSampler(policy, head_k=head_k, view=view,
+                                                                                   seed=seed)
+            out[mode] = check_policy(make_hf, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed,
+                                     **kwargs)
         elif mode == "aligned-xproc":
             model = TinyLM(config)
             model.load_state_dict(state)
             out[mode] = cross_process_check(model, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
         else:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + OPTIONAL_MODES)}")
     return {"modes": out}
 
 

@@ -3,6 +3,10 @@
 For every mismatch kind: build a sampler with that view from the trainer's weights, generate,
 re-score with the full-precision trainer (trainer numerics (a)), and report mean KL(q‖p) (k3),
 max |Δ log p| and the top-k head mass (Σ_H q of the sampler's head, Σ_H p of the trainer on it).
+
+``engine="vllm"``: the sampler is a vLLM engine (driftless.rollout.vllm) over a tiny Qwen3 and
+the trainer its transformers copy; kinds are weight-only views and noise, plus the engine's own
+KV-cache formats (``vllm-kv:fp8_e4m3``, ``vllm-kv:fp8_e5m2``: vLLM's ``kv_cache_dtype``).
 """
 
 from __future__ import annotations
@@ -16,13 +20,31 @@ from driftless.rollout import Sampler, SamplingParams, Snapshot, score_batch
 DEFAULT_KINDS = ("none", "noise:0.01", "noise:0.02", "noise:0.05", "w:int8", "w:int4:g32", "w:fp8_e4m3",
                  "w:mxfp4", "w:nvfp4", "w8a8", "w8a8-fp8", "kv:int8", "kv:int4", "kv:fp8", "kv:fp4",
                  "w8a8+kv:int8", "dtype:bf16", "dtype:fp16")
+VLLM_KINDS = ("none", "noise:0.01", "noise:0.02", "noise:0.05", "w:int8", "w:int4:g32", "w:fp8_e4m3", "w:mxfp4",
+              "w:nvfp4", "vllm-kv:fp8_e4m3", "vllm-kv:fp8_e5m2")
+ENGINE_KV_PREFIX = "vllm-kv:"
 
 
-def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=32, seed=0) -> dict:
+def _builtin_sampler(policy, spec: str, head_k: int):
+    return Sampler(policy, head_k=head_k, view=parse_view(spec))
+
+
+def _vllm_sampler(policy, spec: str, head_k: int):
+    from driftless.rollout.vllm import VLLMSampler
+
+    if spec.startswith(ENGINE_KV_PREFIX):
+        return VLLMSampler(policy, head_k=head_k, engine_kwargs={"kv_cache_dtype": spec[len(ENGINE_KV_PREFIX):]})
+    return VLLMSampler(policy, head_k=head_k, view=parse_view(spec))
+
+
+def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=32, seed=0,
+                 make_sampler=_builtin_sampler) -> dict:
     trainer = make_policy()
-    sampler = Sampler(make_policy(), head_k=head_k, view=parse_view(spec))
+    sampler = make_sampler(make_policy(), spec, head_k)
     sampler.load(Snapshot.of(trainer, 0))
     batch = sampler.generate(prompts, SamplingParams(), max_new_tokens, seed=seed)
+    if hasattr(sampler, "close"):
+        sampler.close()
     with torch.no_grad():
         view = score_batch(trainer, batch)
     m = batch.action_mask
@@ -36,10 +58,16 @@ def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=3
     }
 
 
-def run_table(*, model_path=None, kinds=DEFAULT_KINDS, num_prompts=32, max_new_tokens=24, head_k=32, seed=0,
-              execution="fast") -> dict:
+def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24, head_k=32, seed=0,
+              execution="fast", engine="driftless") -> dict:
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
+    if engine == "vllm":
+        return _run_vllm_table(model_path=model_path, kinds=kinds or VLLM_KINDS, num_prompts=num_prompts,
+                               max_new_tokens=max_new_tokens, head_k=head_k, seed=seed)
+    if engine != "driftless":
+        raise ValueError(f"engine must be 'driftless' or 'vllm', got {engine!r}")
+    kinds = kinds or DEFAULT_KINDS
     if model_path is not None:
         base, _ = load_model(model_path)
         config, state = base.config, base.state_dict()
@@ -60,6 +88,29 @@ def run_table(*, model_path=None, kinds=DEFAULT_KINDS, num_prompts=32, max_new_t
     return {"model": str(model_path or f"random TinyLM (init_std 0.1, seed {seed})"), "head_k": head_k,
             "kinds": {k: measure_view(make, k, prompts, max_new_tokens=max_new_tokens, head_k=head_k, seed=seed)
                       for k in kinds}}
+
+
+def _run_vllm_table(*, model_path, kinds, num_prompts, max_new_tokens, head_k, seed) -> dict:
+    from driftless.models.hf import HFPolicy, tiny_qwen3_config
+
+    source = model_path
+    if source is None:
+        source = tiny_qwen3_config(vocab_size=64)
+        source.initializer_range = 0.1  # peaked, as the TinyLM table's init_std 0.1
+    torch.manual_seed(seed)
+    state = HFPolicy(source).state_dict()
+    vocab = HFPolicy(source).vocab_size if model_path is not None else 64
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(num_prompts)]
+
+    def make():
+        m = HFPolicy(source)
+        m.load_state_dict(state)
+        return m
+    name = str(model_path or f"random tiny Qwen3 (initializer_range 0.1, seed {seed})")
+    return {"model": name, "engine": "vllm", "head_k": head_k,
+            "kinds": {k: measure_view(make, k, prompts, max_new_tokens=max_new_tokens, head_k=head_k, seed=seed,
+                                      make_sampler=_vllm_sampler) for k in kinds}}
 
 
 def format_table(result: dict) -> str:

@@ -41,6 +41,21 @@ class RolloutSettings:
     refresh: str = "pin"
     refresh_every: int = 8
     reward_latency: float = 0.0  # seconds per prompt group, slept after generation (a verifier / tool stand-in)
+    engine: str = "driftless"  # driftless (the built-in Sampler) | vllm (driftless.rollout.vllm)
+
+
+ENGINES = ("driftless", "vllm")
+
+
+def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id: int, view=None):
+    """The rollout engine by name: the built-in Sampler or the vLLM-backed one (same interface)."""
+    if engine == "driftless":
+        return Sampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view)
+    if engine == "vllm":
+        from driftless.rollout.vllm import VLLMSampler
+
+        return VLLMSampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view)
+    raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
 
 
 class RolloutWorker:
@@ -49,8 +64,8 @@ class RolloutWorker:
     def __init__(self, policy, task, tokenizer, settings: RolloutSettings, *, view=None):
         if isinstance(policy, SupportsNumerics):
             policy.numerics = None  # the mismatch view decides the sampler's numerics
-        self.sampler = Sampler(policy, head_k=settings.head_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                               view=view)
+        self.sampler = make_sampler(settings.engine, policy, head_k=settings.head_k, eos_id=tokenizer.eos_id,
+                                    pad_id=tokenizer.pad_id, view=view)
         self.task, self.tokenizer, self.settings = task, tokenizer, settings
         self.snapshot: Snapshot | None = None  # the snapshot last loaded (before the view)
 

@@ -95,11 +95,20 @@ class RolloutSection:
     runtime: str = "local"  # async: local (a thread) | process (a spawned process) | ray (an actor)
     ray_num_cpus: int = 2  # CPUs given to ray.init when no cluster is connected
     workers: int = 1  # runtime=ray: rollout actors producing batches in turn
+    engine: str = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
 
     def __post_init__(self):
         _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every", "workers")
         if self.runtime not in ("local", "process", "ray"):
             raise ValueError(f"rollout.runtime must be 'local', 'process' or 'ray', got {self.runtime!r}")
+        if self.engine not in ("driftless", "vllm"):
+            raise ValueError(f"rollout.engine must be 'driftless' or 'vllm', got {self.engine!r}")
+        if self.engine == "vllm" and self.refresh != "pin":
+            raise ValueError(f"rollout.refresh={self.refresh!r} is not supported by rollout.engine=vllm (it cannot "
+                             "swap weights inside one generate call); use pin")
+        if self.engine == "vllm" and self.runtime != "local":
+            raise ValueError(f"rollout.engine=vllm runs with rollout.runtime=local (the engine in the driver's "
+                             f"process), got {self.runtime!r}")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"rollout.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.refresh not in ("pin", "recompute", "retain"):
@@ -231,6 +240,18 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     train: TrainSection = field(default_factory=TrainSection)
+
+    def __post_init__(self):
+        if self.rollout.engine == "vllm":
+            if self.model.kind != "hf":
+                raise ValueError(f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), "
+                                 f"got model.kind={self.model.kind!r}")
+            from driftless.mismatch import parse_view
+
+            quant = parse_view(self.mismatch.view).quant
+            if quant is not None and (quant.act is not None or quant.kv is not None):
+                raise ValueError(f"mismatch.view={self.mismatch.view!r}: with rollout.engine=vllm only weight-only "
+                                 "views and noise apply (activation / KV views need TinyLM's numerics hook)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -40,7 +40,7 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            max_new_tokens=r.max_new_tokens, sampling=r.sampling(),
                            reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
                            head_k=r.head_k, seed=config.train.seed, refresh=r.refresh, refresh_every=r.refresh_every,
-                           reward_latency=r.reward_latency)
+                           reward_latency=r.reward_latency, engine=r.engine)
 
 
 class Run:

