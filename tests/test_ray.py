@@ -78,3 +78,74 @@ def test_two_rollout_actors_share_the_batches_and_one_can_die(tmp_path):
     assert killed and lines[-1]["actor_restarts"] == 1
     assert [r["step"] for r in lines] == list(range(10)) and lines[-1]["version"] == 10
     assert max(r["staleness_max"] for r in lines) <= 2
+
+
+def _learning_lines(path):
+    """Metrics lines without timings (wall-clock values differ between any two runs)."""
+    from driftless.train.loop import TIMING_KEYS
+
+    lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("_s")} for r in lines]
+
+
+def test_the_learner_as_a_ray_actor_trains_exactly_as_in_the_driver(tmp_path):
+    """η = 0 makes the async pipeline deterministic (batch s starts from the weights after step s − 1):
+    the learner in its own actor must then write the very lines of the learner in the driver."""
+    import torch
+
+    common = [*SMALL, "train.steps=6", "train.eval_every=3", "rollout.staleness_bound=0"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the learner actor runs one thread: the same kernels in both runs
+    try:
+        RayRun(load_config(None, common), tmp_path / "local").run()
+    finally:
+        torch.set_num_threads(threads)
+    remote = RayRun(load_config(None, [*common, "train.learner_runtime=ray"]), tmp_path / "remote")
+    remote.run()
+    local_lines, remote_lines = _learning_lines(tmp_path / "local"), _learning_lines(tmp_path / "remote")
+    assert [r["step"] for r in remote_lines] == list(range(6))
+    assert remote_lines == local_lines
+    assert remote_lines[-1]["version"] == 6 and "eval_reward" in remote_lines[2]
+
+
+def test_a_learner_actor_resumes_from_a_checkpoint_and_too_few_cpus_are_refused(tmp_path):
+    cfg = [*SMALL, "train.learner_runtime=ray", "rollout.staleness_bound=1", "train.checkpoint_every=3"]
+    RayRun(load_config(None, [*cfg, "train.steps=3"]), tmp_path).run()
+    RayRun(load_config(None, [*cfg, "train.steps=6"]), tmp_path).run(resume=True)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(6)) and lines[-1]["version"] == 6
+    assert max(r["staleness_max"] for r in lines) <= 1
+    with pytest.raises(ValueError, match=r"has 2 CPUs; rollout.workers=2 rollout actors and a learner actor need 3"):
+        RayRun(load_config(None, [*cfg, "train.steps=3", "rollout.workers=2"]), tmp_path / "big")
+    with pytest.raises(ValueError, match="train.learner_runtime=ray needs rollout.mode=async and rollout.runtime=ray"):
+        load_config(None, ["train.learner_runtime=ray"])
+
+
+def test_the_object_store_stays_flat_over_many_updates(tmp_path):
+    """1.6 M parameters: every snapshot (6.4 MB) lives in the plasma store. Keeping η + 2 references
+    means the store holds a bounded number of snapshots however many updates; all freed at the end."""
+    import time
+
+    from driftless.train.ray_loop import object_store_usage
+
+    steps = 120
+    run = RayRun(load_config(None, [
+        "model.warm_start=false", "task.name=first-token", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_new_tokens=1", f"train.steps={steps}", f"train.eval_every={steps}", "train.eval_problems=4",
+        f"train.checkpoint_every={steps}", "train.progress=false", "rollout.mode=async", "rollout.runtime=ray",
+        "rollout.ray_num_cpus=2", "rollout.staleness_bound=1", "train.learner_runtime=ray"]), tmp_path)
+    publish, usage = run._publish, []
+
+    def measured():
+        publish()
+        usage.append(object_store_usage(ray))
+    run._publish = measured
+    run.run()
+    objects = [n for _, n in usage]
+    assert len(objects) == steps
+    assert max(objects) <= 30, objects  # a leak would hold one snapshot per update (120)
+    assert max(objects[steps // 2:]) <= max(objects[: steps // 2]) + 10, objects  # no growth
+    deadline = time.time() + 10
+    while object_store_usage(ray)[1] and time.time() < deadline:
+        time.sleep(0.2)
+    assert object_store_usage(ray) == (0, 0)

@@ -219,11 +219,15 @@ class TrainSection:
     minibatches: int = 1  # optimizer steps per pass (rows split into contiguous minibatches)
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard | wandb
     trace: bool = False  # async runs: record every consumed batch under RUN/trace/ (driftless replay)
+    learner_runtime: str = "local"  # local (in the driver) | ray (a Ray actor; needs rollout.runtime=ray)
 
     def __post_init__(self):
         _positive("train", self, "steps", "eval_every", "eval_problems", "checkpoint_every", "ppo_epochs",
                   "minibatches")
         from driftless.train.sinks import LOGGERS
+
+        if self.learner_runtime not in ("local", "ray"):
+            raise ValueError(f"train.learner_runtime must be 'local' or 'ray', got {self.learner_runtime!r}")
 
         bad = [name for name in self.loggers if name not in LOGGERS]
         if bad:
@@ -242,6 +246,9 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
 
     def __post_init__(self):
+        if self.train.learner_runtime == "ray" and (self.rollout.mode, self.rollout.runtime) != ("async", "ray"):
+            raise ValueError("train.learner_runtime=ray needs rollout.mode=async and rollout.runtime=ray, got "
+                             f"rollout.mode={self.rollout.mode!r}, rollout.runtime={self.rollout.runtime!r}")
         if self.rollout.engine == "vllm":
             if self.model.kind != "hf":
                 raise ValueError(f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), "

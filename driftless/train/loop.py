@@ -43,6 +43,20 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            reward_latency=r.reward_latency, engine=r.engine)
 
 
+def make_learner(config: RunConfig, tokenizer, state) -> Learner:
+    """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics), objective, optimizer."""
+    policy = make_policy(config, tokenizer, state)
+    if config.mismatch.trainer_numerics != "fp":
+        view = parse_view(config.mismatch.view)
+        policy.numerics = view.quant.numerics.for_trainer(config.mismatch.trainer_numerics)
+    o, t = config.optim, config.train
+    optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
+                               (o.beta1, o.beta2))
+    return Learner(policy, config.objective.build(), optimizer, grad_clip=o.grad_clip,
+                   head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
+                   schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches)
+
+
 class Run:
     def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, progress: bool | None = None):
         self.config = config
@@ -53,18 +67,10 @@ class Run:
         self.sync = SyncPolicy(config.mismatch.staleness)
         view = parse_view(config.mismatch.view)
         state, self.warm_info = initial_state(config, self.tokenizer, self.progress)  # once, here
-        policy = make_policy(config, self.tokenizer, state)
-        if config.mismatch.trainer_numerics != "fp":
-            policy.numerics = view.quant.numerics.for_trainer(config.mismatch.trainer_numerics)
-        o, t = config.optim, config.train
-        optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
-                                   (o.beta1, o.beta2))
-        self.learner = Learner(policy, config.objective.build(), optimizer, grad_clip=o.grad_clip,
-                               head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
-                               schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches)
+        self.learner = make_learner(config, self.tokenizer, state)
         self.worker = RolloutWorker(make_policy(config, self.tokenizer, state), self.task, self.tokenizer,
                                     rollout_settings(config), view=view)
-        self.eval_problems = self.task.eval_set(t.eval_problems)
+        self.eval_problems = self.task.eval_set(config.train.eval_problems)
         self.step_index = 0  # completed steps
         self.reward_ema: float | None = None
         self.best_reward_ema = 0.0

@@ -9,13 +9,19 @@ needs ``pip install driftless[ray]``):
   the store stays flat over any number of updates.
 - **Admission**: batch s is submitted only once ``learner.version ≥ s·k − η``; the actor
   produces batches one after the other, each from the snapshot it was submitted with.
+- **The learner** (``train.learner_runtime``): ``local`` keeps it in the driver; ``ray`` puts
+  it in an actor of its own (``RemoteLearner``). Then the weights never pass through the
+  driver: the learner actor returns each snapshot into the object store and the driver hands
+  the reference on; the driver fetches weights only to evaluate and to checkpoint.
 - **Resources and waits**: ``ray.init(num_cpus=rollout.ray_num_cpus)`` when no cluster is
-  connected (``RAY_ADDRESS`` or an earlier ``ray.init`` joins one unchanged); the actor asks for
-  one CPU; every ``ray.get`` has a timeout.
+  connected (``RAY_ADDRESS`` or an earlier ``ray.init`` joins one unchanged); every actor asks
+  for one CPU, and a cluster with fewer CPUs than actors is refused at start instead of waiting
+  forever; every ``ray.get`` has a timeout.
 - **Faults**: an actor that dies (``ray.kill``, a crashed node) is replaced by a new one on the
   learner's current weights, and every batch it had not delivered is produced again from its
   step's seed. A batch is produced whole or not at all, so partial groups are never trained,
-  and no sample is lost or used twice (sample ids: (step, row)).
+  and no sample is lost or used twice (sample ids: (step, row)). A dead learner actor ends the
+  run with an error; ``--resume`` continues from the last checkpoint.
 
 Alignment needs nothing from the runtime environment: aligned execution is invariant by
 construction, so a worker only needs the same driftless and torch versions (for a cluster:
@@ -30,6 +36,19 @@ import time
 import torch
 
 from driftless.train.async_loop import WAIT_S, AsyncRun
+
+
+def object_store_usage(ray) -> tuple[int, int]:
+    """(MiB, objects) in the cluster's plasma object store, from Ray's own accounting."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+    m = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", text)
+    if m is None:
+        raise RuntimeError(f"could not read the object store usage from Ray's memory summary: {text[:200]!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def _actor_class():
@@ -65,6 +84,85 @@ def _actor_class():
     return RolloutActor
 
 
+def _learner_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=1, max_restarts=0)
+    class LearnerActor:
+        def __init__(self, config, state, threads: int):
+            torch.set_num_threads(threads)
+            from driftless.tasks import CharTokenizer
+            from driftless.train.loop import make_learner
+
+            self.learner = make_learner(config, CharTokenizer(), state)
+
+        def update(self, batch):
+            metrics = self.learner.update(batch) if batch is not None else {}
+            return metrics, self.learner.version, self.learner.skipped_steps
+
+        def publish(self):
+            return self.learner.publish()
+
+        def state_dict(self):
+            return self.learner.state_dict()
+
+        def load_state_dict(self, state):
+            self.learner.load_state_dict(state)
+            return self.learner.version, self.learner.skipped_steps
+
+    return LearnerActor
+
+
+class RemoteLearner:
+    """The Learner's interface (update, publish, version, policy, state) over a Learner in a Ray actor.
+
+    ``publish_ref()`` leaves the snapshot in the object store (what rollout actors receive);
+    ``policy`` is a local copy refreshed from the actor when read after an update (evaluation).
+    """
+
+    def __init__(self, ray, config, state, policy, *, threads: int = 1):
+        self.ray, self.policy_copy = ray, policy
+        self.actor = _learner_actor_class().remote(config, state, threads)
+        self.version, self.skipped_steps = 0, 0
+        self._copy_version: int | None = None
+
+    def _get(self, ref, what: str):
+        try:
+            return self.ray.get(ref, timeout=WAIT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the learner actor did not answer {what} within {WAIT_S} s") from None
+        except self.ray.exceptions.RayActorError as err:
+            raise RuntimeError(f"the learner actor died during {what}; resume the run from its last checkpoint "
+                               "(--resume)") from err
+
+    def update(self, batch) -> dict:
+        metrics, self.version, self.skipped_steps = self._get(self.actor.update.remote(batch), "an update")
+        return metrics
+
+    def publish_ref(self):
+        return self.actor.publish.remote()
+
+    def publish(self):
+        return self._get(self.publish_ref(), "a publish")
+
+    @property
+    def policy(self):
+        if self._copy_version != self.version:
+            self.policy_copy.load_state_dict(self.publish().state)
+            self._copy_version = self.version
+        return self.policy_copy
+
+    def state_dict(self) -> dict:
+        return self._get(self.actor.state_dict.remote(), "a checkpoint")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version, self.skipped_steps = self._get(self.actor.load_state_dict.remote(state), "a resume")
+        self._copy_version = None
+
+    def close(self) -> None:
+        self.ray.kill(self.actor)
+
+
 class RayRun(AsyncRun):
     def __init__(self, config, run_dir=None, *, progress=None):
         super().__init__(config, run_dir, progress=progress)
@@ -73,6 +171,9 @@ class RayRun(AsyncRun):
         except ImportError as err:
             raise ValueError("rollout.runtime=ray needs Ray: pip install 'driftless[ray]'") from err
         self.ray = ray
+        if config.train.learner_runtime == "ray":
+            self._init_ray()
+            self.learner = RemoteLearner(ray, config, self.learner.policy.state_dict(), self.learner.policy)
         self.actors: list = []  # rollout.workers actors; batch s goes to actor s mod len(actors)
         self.refs: collections.deque = collections.deque(maxlen=self.eta + 2)  # published snapshots, newest last
         self.in_flight: dict[int, object] = {}  # step -> the actor's future
@@ -85,10 +186,19 @@ class RayRun(AsyncRun):
         """The first rollout actor (the only one with ``rollout.workers=1``)."""
         return self.actors[0] if self.actors else None
 
-    def _start(self) -> None:
+    def _init_ray(self) -> None:
         ray = self.ray
         if not ray.is_initialized():
             ray.init(num_cpus=self.config.rollout.ray_num_cpus, include_dashboard=False, log_to_driver=False)
+        need = self.config.rollout.workers + (self.config.train.learner_runtime == "ray")
+        have = ray.cluster_resources().get("CPU", 0)
+        if have < need:
+            raise ValueError(f"the Ray cluster has {have:g} CPUs; rollout.workers={self.config.rollout.workers} "
+                             f"rollout actors{' and a learner actor' if need > self.config.rollout.workers else ''} "
+                             f"need {need} (raise rollout.ray_num_cpus or connect a larger cluster)")
+
+    def _start(self) -> None:
+        self._init_ray()
         self.refs.append(self._put())
         self.actors = [self._new_actor() for _ in range(self.config.rollout.workers)]
         self.next_submit = self.step_index
@@ -98,9 +208,14 @@ class RayRun(AsyncRun):
         return _actor_class().remote(self.config, self.learner.policy.state_dict(), 1)
 
     def _put(self):
-        snap = self.learner.publish()
-        self.worker.snapshot = snap  # what the checkpoint records as the sampler's weights (the local worker idles)
-        return self.ray.put(snap)
+        if isinstance(self.learner, RemoteLearner):
+            return self.learner.publish_ref()  # from the learner actor into the store, never through the driver
+        return self.ray.put(self.learner.publish())
+
+    def save_checkpoint(self):
+        if self.refs:  # the sampler's weights: the newest snapshot handed to the rollout actors
+            self.worker.snapshot = self.ray.get(self.refs[-1], timeout=WAIT_S)
+        return super().save_checkpoint()
 
     def _submit(self) -> None:
         """Submit every admitted batch not yet in flight, with the newest snapshot."""
@@ -140,6 +255,8 @@ class RayRun(AsyncRun):
         self._submit()
 
     def close(self) -> None:
+        if isinstance(self.learner, RemoteLearner):
+            self.learner.close()
         for actor in self.actors:
             self.ray.kill(actor)
         self.actors = []
