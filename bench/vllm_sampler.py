@@ -21,6 +21,8 @@ import time
 
 import torch
 
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout: keep the JSON clean
+
 
 def timed(fn, repeats):
     fn()  # warm-up

@@ -42,7 +42,7 @@ def test_async_never_exceeds_the_bound_with_a_fast_producer_and_a_slow_learner(t
 
 def test_consumption_drops_rows_beyond_the_bound(tmp_path, monkeypatch):
     """With admission control switched off, the check at consumption still keeps η: stale rows are dropped."""
-    monkeypatch.setattr(AsyncRun, "_admitted", lambda self, s: True)
+    monkeypatch.setattr(AsyncRun, "_admitted", lambda self, s, version=None: True)
     run = AsyncRun(load_config(None, [*SMALL, "rollout.mode=async", "rollout.staleness_bound=1", "train.steps=10"]),
                    tmp_path)
     update = run.learner.update
@@ -54,6 +54,28 @@ def test_consumption_drops_rows_beyond_the_bound(tmp_path, monkeypatch):
     run.run()
     lines = rows(tmp_path)
     assert lines[-1]["stale_rows_dropped"] > 0
+    assert max(r["staleness_max"] for r in lines) <= 1
+
+
+def test_admission_waits_for_the_published_weights_not_the_learners_counter(tmp_path):
+    """The learner's version moves inside update(), before its snapshot is published. A worker admitted
+    on that counter in between would start from the previous snapshot and overshoot η (seen once as a
+    flaky vLLM run). Publishing is slowed here to hold that window open."""
+    run = AsyncRun(load_config(None, [*SMALL, "rollout.mode=async", "rollout.staleness_bound=1", "train.steps=12"]),
+                   tmp_path)
+    publish, produce = run._publish, run.worker.produce
+
+    def slow_publish():
+        time.sleep(0.1)
+        publish()
+
+    def slow_produce(step, weights=None):  # the worker finishes its batches inside the publishing window
+        time.sleep(0.1)
+        return produce(step, weights=weights)
+    run._publish, run.worker.produce = slow_publish, slow_produce
+    run.run()
+    lines = rows(tmp_path)
+    assert lines[-1]["stale_rows_dropped"] == 0 and lines[-1]["version"] == 12
     assert max(r["staleness_max"] for r in lines) <= 1
 
 
@@ -156,3 +178,30 @@ def test_a_sigkilled_rollout_process_is_replaced_and_no_batch_is_lost_or_repeate
     assert [r["step"] for r in lines] == list(range(10))  # every step once, in order
     assert max(r["staleness_max"] for r in lines) <= 2 and lines[-1]["version"] == 10
     assert sum(r["reward"] for r in lines[-3:]) / 3 > sum(r["reward"] for r in lines[:3]) / 3  # it went on learning
+
+
+def test_two_rollout_processes_share_the_batches_and_one_can_be_sigkilled(tmp_path):
+    import os
+    import signal
+
+    from driftless.train.process_loop import ProcessRun
+
+    run = ProcessRun(load_config(None, [*SMALL, "rollout.mode=async", "rollout.runtime=process", "rollout.workers=2",
+                                        "rollout.staleness_bound=2", "train.steps=10"]), tmp_path)
+    publish, killed, pids = run._publish, [], set()
+
+    def kill_second_once():
+        pids.update(p.pid for p in run.procs)
+        if run.learner.version == 4 and not killed:
+            killed.append(run.procs[1].pid)
+            os.kill(run.procs[1].pid, signal.SIGKILL)
+        publish()
+    run._publish = kill_second_once
+    run.run()
+    lines = rows(tmp_path)
+    assert killed and lines[-1]["worker_restarts"] == 1
+    assert len(pids) == 3  # two workers, then a replacement for the killed one
+    assert [r["step"] for r in lines] == list(range(10)) and lines[-1]["version"] == 10
+    assert max(r["staleness_max"] for r in lines) <= 2
+    with pytest.raises(ValueError, match="rollout.workers=2 needs rollout.mode=async"):
+        load_config(None, ["rollout.workers=2"])

@@ -217,6 +217,20 @@ def test_training_with_the_vllm_engine_learns_and_records_versions(tmp_path):
     assert all(m["sampler_age_max"] == 0 for m in lines)  # synced every step: the sampled version is current
 
 
+def test_asynchronous_collection_with_the_vllm_engine_keeps_the_bound(tmp_path):
+    """The engine generating on the worker thread while the learner trains in the caller's."""
+    from driftless.train import load_config, train
+
+    cfg = load_config(None, [*SMALL_HF_RUN, "train.steps=8", "train.checkpoint_every=1000", "rollout.mode=async",
+                             "rollout.staleness_bound=1"])
+    run_dir = train(cfg, tmp_path / "run", progress=False)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = [(m["version"], m.get("skipped_steps"), m["stale_rows_dropped"], m["staleness_max"]) for m in lines]
+    assert [m["step"] for m in lines] == list(range(8)) and lines[-1]["version"] == 8, summary
+    assert max(m["staleness_max"] for m in lines) <= 1 and lines[-1]["stale_rows_dropped"] == 0
+    assert all(m["logp_absdiff_max"] < TOL for m in lines if m["sampler_age_max"] == 0)
+
+
 def test_a_dead_engine_fails_the_run_clearly_and_leaves_its_checkpoints(tmp_path):
     """Runs last: a real engine shutdown tears down vLLM's process-wide state for every engine."""
     from driftless.train import load_config

@@ -65,15 +65,20 @@ class AsyncRun(Run):
         self.idle = {"learner_wait_s": 0.0, "worker_wait_s": 0.0}
 
     # ------------------------------------------------------------------ the worker thread
-    def _admitted(self, s: int) -> bool:
-        return self.learner.version >= s * self.steps_per_batch - self.eta
+    def _admitted(self, s: int, version: int | None = None) -> bool:
+        """Batch s may start from weights of ``version`` (default: the learner's current version)."""
+        version = self.learner.version if version is None else version
+        return version >= s * self.steps_per_batch - self.eta
 
     def _produce(self, first: int) -> None:
         try:
             for s in range(first, self.config.train.steps):
                 t_wait = time.perf_counter()
                 with self._progress:
-                    if not self._progress.wait_for(lambda s=s: self._admitted(s) or self._stop.is_set(), WAIT_S):
+                    # admitted by the *published* version, the weights this batch will start from: the
+                    # learner's own counter moves first, inside update(), before the snapshot is published
+                    if not self._progress.wait_for(lambda s=s: self._admitted(s, self.published.get().version)
+                                                   or self._stop.is_set(), WAIT_S):
                         raise TimeoutError(f"batch {s} was not admitted within {WAIT_S} s")
                 if self._stop.is_set():
                     return

@@ -94,7 +94,7 @@ class RolloutSection:
     reward_latency: float = 0.0  # seconds of injected wait per prompt group (tool calls, verifiers)
     runtime: str = "local"  # async: local (a thread) | process (a spawned process) | ray (an actor)
     ray_num_cpus: int = 2  # CPUs given to ray.init when no cluster is connected
-    workers: int = 1  # runtime=ray: rollout actors producing batches in turn
+    workers: int = 1  # runtime=process|ray: rollout workers (processes / actors) producing batches in turn
     engine: str = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
 
     def __post_init__(self):
@@ -109,6 +109,9 @@ class RolloutSection:
         if self.engine == "vllm" and self.runtime != "local":
             raise ValueError(f"rollout.engine=vllm runs with rollout.runtime=local (the engine in the driver's "
                              f"process), got {self.runtime!r}")
+        if self.workers > 1 and (self.mode, self.runtime) not in (("async", "process"), ("async", "ray")):
+            raise ValueError(f"rollout.workers={self.workers} needs rollout.mode=async with rollout.runtime=process "
+                             f"or ray (got mode {self.mode!r}, runtime {self.runtime!r})")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"rollout.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.refresh not in ("pin", "recompute", "retain"):
