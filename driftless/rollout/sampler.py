@@ -48,6 +48,24 @@ class Snapshot:
 REFRESH_POLICIES = ("pin", "recompute", "retain")
 
 
+def check_request(prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, ctx: int, vocab: int) -> None:
+    """Refuse, naming the prompt and the value, what no rollout engine can generate from."""
+    if not prompts:
+        raise ValueError("prompts is empty")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) >= ctx:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {ctx} (need room to generate)")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} holds token ids outside [0, {vocab}): {bad[:5]}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if params.top_k > vocab:
+        raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab})")
+
+
 class Sampler:
     """Generate from a policy copy; ``load(snapshot)`` syncs it to published weights."""
 
@@ -93,20 +111,7 @@ class Sampler:
         policy = self.policy
         exact = is_aligned(policy)
         ctx, vocab = policy.max_seq_len, policy.vocab_size
-        if not prompts:
-            raise ValueError("prompts is empty")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= ctx:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {ctx} (need room to generate)")
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} holds token ids outside [0, {vocab}): {bad[:5]}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if params.top_k > vocab:
-            raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab})")
+        check_request(prompts, params, max_new_tokens, ctx, vocab)
         if seed is None:  # drawn from the global generator: reproducible under torch.manual_seed
             seed = int(torch.randint(0, 2**62, (1,)))
         gen = torch.Generator().manual_seed(seed)

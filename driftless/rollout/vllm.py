@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.sampler import REFRESH_POLICIES, Snapshot
+from driftless.rollout.sampler import REFRESH_POLICIES, Snapshot, check_request
 from driftless.rollout.sampling import SamplingParams
 
 # vLLM SamplingParams fields that change the distribution a token is drawn from beyond
@@ -244,20 +244,7 @@ class VLLMSampler:
         if self.version is None:
             raise ValueError("the sampler has no weight version: call load(Snapshot(state, version)) first")
         ctx, vocab = self.policy.max_seq_len, self.policy.vocab_size
-        if not prompts:
-            raise ValueError("prompts is empty")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= ctx:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {ctx} (need room to generate)")
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} holds token ids outside [0, {vocab}): {bad[:5]}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if params.top_k > vocab:
-            raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab})")
+        check_request(prompts, params, max_new_tokens, ctx, vocab)
         held = self.engine_version()
         if held != self.version:
             raise StaleEngineError(f"the engine holds weight version {held}, the sampler expected {self.version}")
