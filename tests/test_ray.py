@@ -115,6 +115,20 @@ def test_a_learner_actor_resumes_from_a_checkpoint_and_too_few_cpus_are_refused(
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6)) and lines[-1]["version"] == 6
     assert max(r["staleness_max"] for r in lines) <= 1
+    # the learner actor dies mid-run: a clear error; the checkpoint before it resumes the run
+    dying = RayRun(load_config(None, [*cfg, "train.steps=9"]), tmp_path)
+    update = dying.learner.update
+
+    def kill_at_version_7(batch):
+        if dying.learner.version == 7:
+            ray.kill(dying.learner.actor)
+        return update(batch)
+    dying.learner.update = kill_at_version_7
+    with pytest.raises(RuntimeError, match="the learner actor died during an update; resume the run"):
+        dying.run(resume=True)
+    RayRun(load_config(None, [*cfg, "train.steps=9"]), tmp_path).run(resume=True)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(9)) and lines[-1]["version"] == 9
     with pytest.raises(ValueError, match=r"has 2 CPUs; rollout.workers=2 rollout actors and a learner actor need 3"):
         RayRun(load_config(None, [*cfg, "train.steps=3", "rollout.workers=2"]), tmp_path / "big")
     with pytest.raises(ValueError, match="train.learner_runtime=ray needs rollout.mode=async and rollout.runtime=ray"):

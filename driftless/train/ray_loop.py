@@ -160,6 +160,11 @@ class RemoteLearner:
         self._copy_version = None
 
     def close(self) -> None:
+        """Stop the actor, keeping its final weights in ``policy`` (readable after the run)."""
+        try:
+            self.policy  # noqa: B018 -- refreshes the local copy
+        except RuntimeError:  # the actor is already gone: the copy keeps what it last had
+            pass
         self.ray.kill(self.actor)
 
 
