@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:  # bad input, or an optional extra that is not installed
         print(f"driftless: error: {err}", file=sys.stderr)
         return 2
 

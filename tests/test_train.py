@@ -263,3 +263,15 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     b = [json.loads(line) for line in metrics.read_text().splitlines()]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
     assert strip(a) == strip(b)
+
+
+def test_the_vllm_engine_without_vllm_installed_is_a_clear_error(capsys):
+    import importlib.util
+
+    from driftless.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/test_vllm.py covers the engine")
+    assert main(["check-alignment", "--modes", "vllm", "--prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the vLLM engine needs vLLM" in err and "make test-vllm" in err

@@ -108,6 +108,7 @@ class VLLMSampler:
                  sampling_kwargs: dict | None = None):
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
+        vllm = _vllm()  # before anything is written: a missing extra is the first thing to say
         if not hasattr(policy, "model") or not hasattr(policy.model, "save_pretrained"):
             raise ValueError(f"the vLLM engine runs transformers models (HFPolicy); got {type(policy).__name__} "
                              "(use model.kind=hf)")
@@ -136,7 +137,6 @@ class VLLMSampler:
         model_dir = Path(model_dir)
         _check_model_dir(model_dir, tokenizer)
         self.model_dir = model_dir
-        vllm = _vllm()
         threads = torch.get_num_threads()  # vLLM lowers torch's thread count for serving; the trainer shares it
         kwargs = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": not tokenizer,
                   "logprobs_mode": "processed_logprobs", "max_logprobs": max(head_k, 1),
