@@ -275,3 +275,12 @@ def test_the_vllm_engine_without_vllm_installed_is_a_clear_error(capsys):
     assert main(["check-alignment", "--modes", "vllm", "--prompts", "1"]) == 2
     err = capsys.readouterr().err
     assert "the vLLM engine needs vLLM" in err and "make test-vllm" in err
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        load_config(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,7 +208,7 @@ SMALL_HF_RUN = ["model.kind=hf", "rollout.engine=vllm", "model.max_seq_len=16", 
 def test_training_with_the_vllm_engine_learns_and_records_versions(tmp_path):
     from driftless.train import load_config, train
 
-    cfg = load_config(None, [*SMALL_HF_RUN, "train.steps=30", "train.checkpoint_every=1000"])
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "vllm.yaml", ["train.checkpoint_every=1000"])
     run_dir = train(cfg, tmp_path / "run", progress=False)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 30

@@ -92,7 +92,7 @@ class RolloutSection:
     refresh: str = "pin"  # in-flight weight refresh: pin | recompute | retain
     refresh_every: int = 8  # tokens between refresh checks
     reward_latency: float = 0.0  # seconds of injected wait per prompt group (tool calls, verifiers)
-    runtime: str = "local"  # async: local (a thread) | process (a spawned process) | ray (an actor)
+    runtime: str = "local"  # async: local (a thread) | process (spawned processes) | ray (actors)
     ray_num_cpus: int = 2  # CPUs given to ray.init when no cluster is connected
     workers: int = 1  # runtime=process|ray: rollout workers (processes / actors) producing batches in turn
     engine: str = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
