@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     a.set_defaults(func=_check_alignment)
 
     mt = sub.add_parser("mismatch-table", help="KL, max |Δ log p| and head mass per sampler mismatch view")
-    mt.add_argument("--model", help="a TinyLM safetensors file (default: a peaked random TinyLM)")
+    mt.add_argument("--model", help="a TinyLM safetensors file (default: a peaked random TinyLM); with --engine vllm, "
+                                    "a transformers directory (default: a peaked random tiny Qwen3)")
     mt.add_argument("--kinds", nargs="+", help="view specs (default: the docs/mismatch.md list)")
     mt.add_argument("--prompts", type=int, default=32)
     mt.add_argument("--max-new-tokens", type=int, default=24)
