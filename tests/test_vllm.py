@@ -186,7 +186,6 @@ def test_check_alignment_vllm_mode():
     r = run_check(modes=("vllm",), num_prompts=4, max_new_tokens=8)["modes"]["vllm"]
     assert r["tokens"] == 4 * 8 * 9  # 3 generation groupings x 3 scoring groupings, no EOS configured
     assert r["max_abs_logp_diff"] < TOL and r["kl_k3"] < 1e-10
-    assert 0.0 <= r["bitwise_equal_fraction"] <= 1.0
 
 
 def test_mismatch_table_with_the_engine_as_sampler():

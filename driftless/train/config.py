@@ -101,8 +101,10 @@ class RolloutSection:
         _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every", "workers")
         if self.runtime not in ("local", "process", "ray"):
             raise ValueError(f"rollout.runtime must be 'local', 'process' or 'ray', got {self.runtime!r}")
-        if self.engine not in ("driftless", "vllm"):
-            raise ValueError(f"rollout.engine must be 'driftless' or 'vllm', got {self.engine!r}")
+        from driftless.rollout.worker import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "vllm" and self.refresh != "pin":
             raise ValueError(f"rollout.refresh={self.refresh!r} is not supported by rollout.engine=vllm (it cannot "
                              "swap weights inside one generate call); use pin")
