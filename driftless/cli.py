@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--model", help="a TinyLM safetensors file (default: a random TinyLM)")
     a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc"],
                    help="aligned-xproc: sampler and trainer in two processes with other CPU kernels, BLAS path "
-                        "and thread count; vllm (not by default, needs the vLLM extra): a vLLM engine's q vs the "
+                        "and thread count, for each pair of kernel sets this CPU runs (named in the output); vllm (not by default, needs the vLLM extra): a vLLM engine's q vs the "
                         "transformers trainer's p (docs/vllm.md)")
     a.add_argument("--view", default="w8a8+kv:int8", help="sampler mismatch view for the +quant modes")
     a.add_argument("--trainer-numerics", default="fwd-fq", choices=["fwd-fq", "native"],
@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="objective presets, and 'baseline' (pg without the mismatch view)")
     d.add_argument("--workers", type=int, default=None, help="runs trained at once (default: min(2, CPUs))")
     d.add_argument("--seeds", type=int, default=3, help="RL seeds per method (the warm start is shared)")
-    d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("--run-dir", default=None, help="default: runs/demo (runs/demo-check with --warm-start-seeds)")
+    d.add_argument("--warm-start-seeds", type=int, default=None,
+                   help="the demo's check: every method over this many warm starts × --seeds RL seeds (resumable; "
+                        "docs/calibration.md)")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
     d.set_defaults(func=_demo)
@@ -130,9 +133,19 @@ def _check_alignment(args) -> int:
         return 0
     print(f"| {'mode':<13} | {'tokens':>6} | {'bitwise equal':>13} | {'max abs Δ log p':>15} | {'KL(q‖p) k3':>11} |")
     print(f"|{'-' * 15}|{'-' * 8}|{'-' * 15}|{'-' * 17}|{'-' * 13}|")
+    notes = []
     for mode, r in result["modes"].items():
+        if "skipped" in r:
+            notes.append(f"{mode}: skipped: {r['skipped']}")
+            continue
         print(f"| {mode:<13} | {r['tokens']:>6} | {r['bitwise_equal_fraction']:>13.4f} | "
               f"{r['max_abs_logp_diff']:>15.3e} | {r['kl_k3']:>11.3e} |")
+        for pair in r.get("pairs", ()):
+            notes.append(f"{mode}: sampler ({pair['sampler']}) vs trainer ({pair['trainer']}): {pair['tokens']} tokens, "
+                         f"bitwise equal {pair['bitwise_equal_fraction']:.4f}, max abs Δ log p "
+                         f"{pair['max_abs_logp_diff']:.3e}")
+    for note in notes:
+        print(note)
     return 0
 
 
@@ -204,8 +217,16 @@ def _calibrate(args) -> int:
 def _demo(args) -> int:
     from driftless.experiments.demo import run_demo
 
-    report = run_demo(args.run_dir, methods=args.methods, seeds=args.seeds, config_path=args.config,
-                      overrides=args.overrides, progress=not args.no_progress, workers=args.workers)
+    if args.warm_start_seeds is not None:
+        from driftless.experiments.demo import run_demo_check
+
+        report = run_demo_check(args.run_dir or "runs/demo-check", warm_start_seeds=args.warm_start_seeds,
+                                methods=args.methods, seeds=args.seeds, config_path=args.config,
+                                overrides=args.overrides, progress=not args.no_progress, workers=args.workers)
+    else:
+        report = run_demo(args.run_dir or "runs/demo", methods=args.methods, seeds=args.seeds,
+                          config_path=args.config, overrides=args.overrides, progress=not args.no_progress,
+                          workers=args.workers)
     print(report.read_text())
     return 0
 

@@ -12,6 +12,7 @@ import torch
 
 from driftless.models import TinyLM, TinyLMConfig, load_model, save_model
 from driftless.models.selftest import AlignmentError, ensure_aligned, invariance_failures
+from driftless.ops.cpu import describe_profile, kernel_pairs, runnable_kernel_sets
 from driftless.rollout import RolloutBatch, Sampler, SamplingParams, Snapshot, sampling_logprobs, score_batch
 
 SMALL = TinyLMConfig(vocab_size=64, d_model=64, n_layer=2, n_head=1, n_kv_head=1, d_ff=128, max_seq_len=64)
@@ -111,32 +112,79 @@ def test_aligned_is_invariant_to_thread_count(tmp_path):
     assert torch.equal(outs[0]["steps"], outs[0]["full"][:, 10:40])
 
 
+# Pairs of (sampler, trainer) process profiles taken from what this CPU reports: never a kernel set it lacks.
+KERNEL_PAIRS = kernel_pairs()
+PAIR_IDS = [f"{s['ATEN_CPU_CAPABILITY']}-vs-{t['ATEN_CPU_CAPABILITY']}" for s, t in KERNEL_PAIRS]
+needs_two_kernel_sets = pytest.mark.skipif(not KERNEL_PAIRS, reason=f"this CPU runs one kernel set only "
+                                           f"({runnable_kernel_sets()}): no pair of kernels to compare")
+
+
+def test_kernel_pairs_are_runnable_here_and_differ():
+    sets = runnable_kernel_sets()
+    assert sets[0] == "default"
+    for sampler, trainer in KERNEL_PAIRS:
+        assert sampler["ATEN_CPU_CAPABILITY"] in sets and trainer["ATEN_CPU_CAPABILITY"] in sets
+        assert sampler["ATEN_CPU_CAPABILITY"] != trainer["ATEN_CPU_CAPABILITY"]
+        assert sampler["OMP_NUM_THREADS"] != trainer["OMP_NUM_THREADS"]
+    if "avx512" not in sets:
+        assert all("avx512" not in (s["ATEN_CPU_CAPABILITY"], t["ATEN_CPU_CAPABILITY"]) for s, t in KERNEL_PAIRS)
+
+
+def test_a_kernel_set_the_cpu_lacks_is_refused_before_any_process(tmp_path, monkeypatch):
+    from driftless.experiments.alignment import cross_process_check
+    from driftless.ops import cpu
+
+    monkeypatch.setattr(cpu, "reported_kernel_set", lambda: "avx2")  # as on an AVX2-only machine
+    model = make_model("fast", TinyLMConfig(), seed=4)
+    envs = ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ATEN_CPU_CAPABILITY": "avx512"})
+    with pytest.raises(ValueError, match="ATEN_CPU_CAPABILITY='avx512' cannot run on this CPU"):
+        cross_process_check(model, [[3, 4]], params=SamplingParams(), max_new_tokens=2, seed=1, envs=envs,
+                            workdir=tmp_path)
+    assert [p[1]["ATEN_CPU_CAPABILITY"] for p in cpu.kernel_pairs()] == ["avx2"]  # scalar vs AVX2 only
+
+
+@needs_two_kernel_sets
+@pytest.mark.parametrize("pair", KERNEL_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
                          ids=["plain", "filtered"])
-def test_aligned_sampler_and_trainer_agree_across_processes_and_cpu_kernels(tmp_path, params):
-    """The alignment profile: sampler with torch's AVX2 kernels, MKL's AVX2 path, 1 thread; trainer with
-    AVX-512 kernels (where the CPU has them), MKL's automatic path, 2 threads. Bit for bit."""
+def test_aligned_sampler_and_trainer_agree_across_processes_and_cpu_kernels(tmp_path, params, pair):
+    """Sampler and trainer in two processes with other kernel sets (each one this CPU reports), MKL
+    branches and thread counts. Bit for bit."""
     from driftless.experiments.alignment import cross_process_check
 
     model = make_model("fast", TinyLMConfig(), seed=4)
     prompts = [s.tolist() for s in random_seqs(5, seed=2, lo=2, hi=9)]
-    r = cross_process_check(model, prompts, params=params, max_new_tokens=12, seed=1, workdir=tmp_path)
+    r = cross_process_check(model, prompts, params=params, max_new_tokens=12, seed=1, envs=pair, workdir=tmp_path)
     assert r["tokens"] > 40
     assert r["bitwise_equal_fraction"] == 1.0 and r["max_abs_logp_diff"] == 0.0
-    assert r["sampler_process"]["cpu_capability"] == "AVX2" and r["sampler_process"]["threads"] == 1
+    # the processes really ran the kernels asked for
+    assert r["sampler_process"]["cpu_capability"].lower() == pair[0]["ATEN_CPU_CAPABILITY"]
+    assert r["trainer_process"]["cpu_capability"].lower() == pair[1]["ATEN_CPU_CAPABILITY"]
+    assert r["sampler_process"]["threads"] == 1 and r["trainer_process"]["threads"] == 2
 
 
+@needs_two_kernel_sets
 def test_fast_mode_differs_across_cpu_kernels(tmp_path):
-    """Control for the test above: without aligned execution, other kernels give other bits."""
+    """Control for the test above: without aligned execution, other kernels give other bits
+    (the first pair: scalar kernels against the best set this CPU runs)."""
     from driftless.experiments.alignment import cross_process_check
 
     model = make_model("fast", TinyLMConfig(), seed=4)
     prompts = [s.tolist() for s in random_seqs(5, seed=2, lo=2, hi=9)]
     r = cross_process_check(model, prompts, params=SamplingParams(), max_new_tokens=12, seed=1,
-                            execution="fast", workdir=tmp_path)
-    if r["trainer_process"]["cpu_capability"] == r["sampler_process"]["cpu_capability"]:
-        pytest.skip("this CPU has no AVX-512: both processes ran the same kernels")  # not an alignment test
+                            execution="fast", envs=KERNEL_PAIRS[0], workdir=tmp_path)
     assert r["bitwise_equal_fraction"] < 1.0
+
+
+@needs_two_kernel_sets
+def test_check_alignment_names_the_kernel_pairs_it_compared(capsys):
+    from driftless.cli import main
+
+    assert main(["check-alignment", "--modes", "aligned-xproc", "--prompts", "3", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    for sampler, trainer in KERNEL_PAIRS:
+        assert f"sampler ({describe_profile(sampler)}) vs trainer ({describe_profile(trainer)})" in out
+    assert "bitwise equal 1.0000" in out
 
 
 # ---------------------------------------------------------------- sampler records q honestly

@@ -235,6 +235,49 @@ def test_demo_and_eval_commands(tmp_path, capsys):
     assert 0.0 <= out["eval_reward"] <= 1.0 and out["checkpoint"] == "step_000002"
 
 
+def test_demo_reading_is_computed_from_its_runs():
+    from driftless.experiments.demo import reading
+
+    def runs(*triples):
+        return [{"initial_eval": a, "final_eval": b, "mean_kl_k3": kl} for a, b, kl in triples]
+    claims = reading({"baseline": runs((0.2, 0.6, 0.0), (0.3, 0.5, 0.0)),
+                      "pg": runs((0.2, 0.1, 0.08), (0.3, 0.55, 0.02)),
+                      "sc": runs((0.2, 0.4, 0.01), (0.3, 0.5, 0.03))})
+    assert claims == [
+        "the baseline (no mismatch) ends above its start in all 2 runs (margin mean +0.300, worst +0.200)",
+        "pg ends below its start in 1 of 2 runs (margin mean -0.075, worst -0.250)",
+        "pg ends below the baseline in 1 of 2 runs (margin mean +0.225, worst -0.050)",
+        "sc ends below its start in none of the runs (margin mean -0.200, worst -0.200)",
+        "sc ends below the baseline in 1 of 2 runs (margin mean +0.100, worst +0.000)",  # a tie is not below
+        "sc ends above pg in 1 of 2 runs (margin mean +0.125, worst -0.050)",
+        "sc's mean KL(q‖p) is below pg's in 1 of 2 runs (margin mean +3.00e-02, worst -1.00e-02)",
+    ]
+
+
+def test_demo_check_over_warm_starts_resumes_and_reads(tmp_path, capsys):
+    """The demo's check: methods × warm starts × seeds; a second call trains nothing new."""
+    from driftless.cli import main
+
+    overrides = [o for o in TINY if o != "model.warm_start=false"] + [
+        "warm_start.steps=2", "warm_start.batch_size=4", "warm_start.eval_problems=8",
+        f"warm_start.cache_dir={tmp_path / 'ws'}", "train.steps=2", "train.eval_every=1", "mismatch.view=noise:0.05"]
+    args = ["demo", "--warm-start-seeds", "2", "--run-dir", str(tmp_path / "check"), "--methods", "baseline", "pg",
+            "sc", "--seeds", "1", "--workers", "1", "--no-progress", *overrides]
+    assert main(args) == 0
+    report = (tmp_path / "check" / "noise0.05" / "report.md").read_text()
+    assert len(list((tmp_path / "ws").iterdir())) == 2  # one warm start per seed
+    assert "| warm start | seed | initial | baseline | pg | sc |" in report
+    assert "| 0 | 0 |" in report and "| 1 | 0 |" in report
+    assert "- sc ends above pg in" in report and "- the baseline (no mismatch) ends above its start" in report
+    metrics = sorted((tmp_path / "check").rglob("metrics.jsonl"))
+    assert len(metrics) == 6 and (tmp_path / "check" / "ws1" / "noise0.05" / "sc" / "seed0" / "metrics.jsonl").exists()
+    stamps = [m.stat().st_mtime_ns for m in metrics]
+    capsys.readouterr()
+    assert main(args) == 0  # resumed: every run is finished, nothing retrained
+    assert [m.stat().st_mtime_ns for m in metrics] == stamps
+    assert capsys.readouterr().out.strip() == report.strip()  # the same report, from the same runs
+
+
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     """A real crash: SIGKILL a training process mid-run, resume it, compare with an uninterrupted run."""
     import os

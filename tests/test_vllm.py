@@ -18,6 +18,7 @@ if os.environ.get("DRIFTLESS_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these")
 
 from driftless.models.hf import HFPolicy, tiny_qwen3_config
+from driftless.ops.cpu import has_avx512_or_amx
 from driftless.rollout import SamplingParams, Snapshot, sampling_logprobs, score_batch
 from driftless.rollout.vllm import EngineDeadError, StaleEngineError, VLLMSampler
 
@@ -195,7 +196,26 @@ def test_mismatch_table_with_the_engine_as_sampler():
                   max_new_tokens=8)["kinds"]
     assert r["none"]["max_abs_logp_diff"] < TOL
     assert r["noise:0.05"]["kl_k3"] > 1e3 * max(r["none"]["kl_k3"], 1e-15)
-    assert r["vllm-kv:fp8_e5m2"]["kl_k3"] > 1e3 * max(r["none"]["kl_k3"], 1e-15)  # the engine's own fp8 KV cache
+    if has_avx512_or_amx():
+        assert r["vllm-kv:fp8_e5m2"]["kl_k3"] > 1e3 * max(r["none"]["kl_k3"], 1e-15)  # the engine's own fp8 KV cache
+    else:  # vLLM's CPU backend has no fp8 KV cache without AVX-512 / AMX: reported, not crashed on
+        assert "AVX-512 or AMX" in r["vllm-kv:fp8_e5m2"]["unavailable"]
+
+
+def test_an_fp8_kv_cache_the_cpu_cannot_run_is_refused_before_the_engine_starts(monkeypatch):
+    from driftless.experiments.mismatch_table import format_table, run_table
+    from driftless.rollout import vllm as vllm_module
+
+    monkeypatch.setattr(vllm_module, "has_avx512_or_amx", lambda: False)  # as on an AVX2-only CPU
+    started = []
+    monkeypatch.setattr(vllm_module._vllm(), "LLM", lambda *a, **k: started.append(k))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' is unavailable on this CPU"):
+        vllm_module.VLLMSampler(HFPolicy(tiny_qwen3_config(vocab_size=64)),
+                                engine_kwargs={"kv_cache_dtype": "fp8_e4m3"})
+    assert started == []
+    r = run_table(engine="vllm", kinds=("vllm-kv:fp8_e4m3",), num_prompts=2, max_new_tokens=2)
+    assert "AVX-512 or AMX" in r["kinds"]["vllm-kv:fp8_e4m3"]["unavailable"] and started == []
+    assert "unavailable here" in format_table(r)
 
 
 SMALL_HF_RUN = ["model.kind=hf", "rollout.engine=vllm", "model.max_seq_len=16", "task.name=first-token",

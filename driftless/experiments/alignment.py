@@ -12,6 +12,7 @@ import torch
 
 from driftless.diagnostics.metrics import kl_k3
 from driftless.models.protocols import SupportsNumerics
+from driftless.ops.cpu import describe_profile, kernel_pairs, kernel_profile, reported_kernel_set
 from driftless.rollout import RolloutBatch, Sampler, SamplingParams, Snapshot, score_batch
 
 
@@ -89,8 +90,8 @@ def run_check(*, model_path=None, modes=MODES,
     """Modes: ``fast``, ``aligned``, ``hf`` (transformers decode vs its own full forward) and
     ``fast+quant`` / ``aligned+quant``: a sampler quantized by ``view`` against a trainer whose
     forward uses the matching ``trainer_numerics`` (``fwd-fq`` or ``native``); ``aligned-xproc``:
-    sampler and trainer in two processes with other CPU kernels, BLAS path and threads
-    (``CROSS_PROCESS_ENVS``); ``vllm`` (asked for by name): a vLLM engine's q against the
+    sampler and trainer in two processes with other CPU kernels, BLAS path and threads, for every
+    pair of kernel sets this CPU runs (``driftless.ops.cpu.kernel_pairs``; named in ``pairs``); ``vllm`` (asked for by name): a vLLM engine's q against the
     transformers trainer's p at the same weights (the tiny Qwen3 of the ``hf`` mode)."""
     from driftless.mismatch import parse_view
     from driftless.models import TinyLM, TinyLMConfig, load_model
@@ -151,20 +152,17 @@ def run_check(*, model_path=None, modes=MODES,
         elif mode == "aligned-xproc":
             model = TinyLM(config)
             model.load_state_dict(state)
-            out[mode] = cross_process_check(model, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
+            out[mode] = cross_process_checks(model, prompts, params=params, max_new_tokens=max_new_tokens, seed=seed)
         else:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + OPTIONAL_MODES)}")
     return {"modes": out}
 
 
 # ---------------------------------------------------------------- sampler and trainer in two processes
-# Two processes as unlike as one machine allows: other SIMD kernels (torch's CPU capability),
-# other BLAS code path (MKL's CBWR branch) and other thread counts. With the alignment profile
-# (aligned execution, the same driftless and torch versions) they must agree bit for bit.
-CROSS_PROCESS_ENVS = (
-    {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1"},
-    {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "2"},
-)
+# Two processes as unlike as this CPU allows (driftless.ops.cpu.kernel_pairs): other SIMD kernels
+# (torch's CPU capability, only sets this CPU reports), other BLAS code path (MKL's CBWR branch) and
+# other thread counts. With aligned execution (the same driftless and torch versions) they must agree
+# bit for bit.
 _BATCH_FIELDS = ("tokens", "prompt_len", "length", "action_mask", "sampler_logp", "version",
                  "sampler_topk_ids", "sampler_topk_logp")
 
@@ -191,9 +189,11 @@ def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
 
 
 def cross_process_check(model, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
-                        head_k: int = 8, execution: str = "aligned", envs=CROSS_PROCESS_ENVS,
-                        workdir=None) -> dict:
-    """Sample in one subprocess (environment ``envs[0]``), score in another (``envs[1]``), compare."""
+                        head_k: int = 8, execution: str = "aligned", envs=None, workdir=None) -> dict:
+    """Sample in one subprocess (environment ``envs[0]``), score in another (``envs[1]``), compare.
+
+    ``envs``: a (sampler, trainer) pair of environments, by default the first of ``kernel_pairs()``;
+    a kernel set this CPU cannot run is refused by name before any process starts."""
     import os
     import subprocess
     import sys
@@ -202,6 +202,14 @@ def cross_process_check(model, prompts, *, params: SamplingParams, max_new_token
 
     from driftless.models import save_model
 
+    if envs is None:
+        pairs = kernel_pairs()
+        if not pairs:
+            raise ValueError(f"this CPU runs only one kernel set ({reported_kernel_set()!r}): no pair to compare")
+        envs = pairs[0]
+    for env in envs:
+        if "ATEN_CPU_CAPABILITY" in env:
+            kernel_profile(env["ATEN_CPU_CAPABILITY"], threads=1)  # raises when this CPU cannot run it
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
         save_model(model, tmp / "model.safetensors", version=0)
@@ -222,6 +230,26 @@ def cross_process_check(model, prompts, *, params: SamplingParams, max_new_token
     result["sampler_process"] = {**envs[0], **sampled["info"]}
     result["trainer_process"] = {**envs[1], **scored["info"]}
     return result
+
+
+def cross_process_checks(model, prompts, **kwargs) -> dict:
+    """``cross_process_check`` for every pair of ``kernel_pairs()``: totals plus each pair, named.
+
+    A CPU with a single kernel set gives ``{"skipped": reason}``."""
+    pairs = kernel_pairs()
+    if not pairs:
+        return {"skipped": f"this CPU runs only one kernel set ({reported_kernel_set()!r}): nothing to compare"}
+    results = [cross_process_check(model, prompts, envs=pair, **kwargs) for pair in pairs]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "tokens": tokens,
+        "bitwise_equal_fraction": sum(r["bitwise_equal_fraction"] * r["tokens"] for r in results) / max(tokens, 1),
+        "max_abs_logp_diff": max(r["max_abs_logp_diff"] for r in results),
+        "kl_k3": sum(r["kl_k3"] * r["tokens"] for r in results) / max(tokens, 1),
+        "pairs": [{"sampler": describe_profile(s), "trainer": describe_profile(t), "tokens": r["tokens"],
+                   "bitwise_equal_fraction": r["bitwise_equal_fraction"], "max_abs_logp_diff": r["max_abs_logp_diff"]}
+                  for (s, t), r in zip(pairs, results)],
+    }
 
 
 if __name__ == "__main__":

@@ -43,6 +43,14 @@ def method_overrides(method: str) -> list[str]:
     return [f"objective.name={method}"]
 
 
+def is_finished(run_dir: Path, steps: int) -> bool:
+    """A run directory whose metrics already hold ``steps`` steps (and its report)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.exists() or not (Path(run_dir) / "report.md").exists():
+        return False
+    return sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= steps
+
+
 def _train_one(config_path, overrides, path, threads: int) -> str:
     import torch
 
@@ -69,6 +77,37 @@ def run_demo(run_dir="runs/demo", *, methods=METHODS, seeds: int = 3, config_pat
     train_many(config_path, list(jobs.values()), workers=workers, progress=progress, desc="demo")
     runs = {m: [jobs[(m, seed)][1] for seed in range(seeds)] for m in methods}
     return write_comparison(run_dir, runs, base)
+
+
+def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int = 3, methods=METHODS, seeds: int = 3,
+                   config_path=None, overrides=(), progress=True, workers: int | None = None) -> Path:
+    """The demo over ``warm_start_seeds`` warm starts × ``seeds`` RL seeds (a warm start stands in for
+    another machine: fast execution lands elsewhere there). Resumable: finished runs are kept.
+
+    Runs go to ``RUN_DIR/ws{w}/baseline/seed{s}`` (no mismatch: shared by every view) and
+    ``RUN_DIR/ws{w}/{view}/{method}/seed{s}``; writes ``RUN_DIR/{view}/report.md`` with the reading of
+    every (warm start, seed) pair."""
+    if warm_start_seeds < 1 or seeds < 1:
+        raise ValueError(f"warm_start_seeds and seeds must be >= 1, got {warm_start_seeds} and {seeds}")
+    workers = workers or min(2, os.cpu_count() or 1)
+    run_dir = Path(run_dir)
+    config_path = config_path or demo_config_path()
+    base = load_config(config_path, list(overrides))
+    view = base.mismatch.view.replace(":", "")
+    jobs, runs = [], {}
+    for w in range(warm_start_seeds):
+        ws = [f"warm_start.seed={w}"]
+        _prepare_warm_start(load_config(config_path, [*overrides, *ws]), progress)
+        for seed in range(seeds):
+            for m in methods:
+                path = run_dir / f"ws{w}" / ("baseline" if m == "baseline" else f"{view}/{m}") / f"seed{seed}"
+                runs.setdefault(m, []).append(path)
+                if not is_finished(path, base.train.steps):
+                    jobs.append(([*overrides, *ws, *method_overrides(m), f"train.seed={seed}"], path))
+    train_many(config_path, jobs, workers=workers, progress=progress, desc=f"demo check ({len(jobs)} to run)")
+    out = run_dir / view
+    out.mkdir(parents=True, exist_ok=True)
+    return write_comparison(out, runs, base, pairs=[(w, s) for w in range(warm_start_seeds) for s in range(seeds)])
 
 
 def train_many(config_path, jobs: list[tuple[list[str], Path]], *, workers: int, progress: bool = True,
@@ -113,7 +152,49 @@ def _threshold(curves: dict) -> float:
     return start + 0.5 * (end - start)
 
 
-def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config) -> Path:
+def _count(pairs, holds) -> tuple[int, int, float, float]:
+    """How many (a, b) pairs satisfy ``holds``; the mean and worst of the margin a − b."""
+    margins = [a - b for a, b in pairs]
+    return sum(holds(a, b) for a, b in pairs), len(margins), statistics.fmean(margins), min(margins)
+
+
+def _claim(text: str, k: int, n: int, mean: float, worst: float, fmt: str = "+.3f") -> str:
+    verdict = f"in all {n} runs" if k == n else ("in none of the runs" if k == 0 else f"in {k} of {n} runs")
+    return f"{text} {verdict} (margin mean {mean:{fmt}}, worst {worst:{fmt}})"
+
+
+def reading(summaries: dict[str, list[dict]]) -> list[str]:
+    """The demo's reading, stated from its own numbers: who learns, who ends where, in how many runs.
+
+    ``summaries[method][i]``: the ``summarize`` dict of run i (runs with the same i share warm start
+    and seed). Every claim says in how many runs it held and by what margin."""
+    claims = []
+    finals = {m: [x["final_eval"] for x in s] for m, s in summaries.items()}
+    if "baseline" in summaries:
+        k, n, mean, worst = _count([(x["final_eval"], x["initial_eval"]) for x in summaries["baseline"]],
+                                   lambda a, b: a > b)
+        claims.append(_claim("the baseline (no mismatch) ends above its start", k, n, mean, worst))
+    for m, runs in summaries.items():
+        if m == "baseline":
+            continue
+        k, n, mean, worst = _count([(x["initial_eval"], x["final_eval"]) for x in runs], lambda a, b: a > b)
+        claims.append(_claim(f"{m} ends below its start", k, n, mean, worst))
+        if "baseline" in summaries:
+            k, n, mean, worst = _count(list(zip(finals["baseline"], finals[m])), lambda a, b: a > b)
+            claims.append(_claim(f"{m} ends below the baseline", k, n, mean, worst))
+    if "pg" in summaries:
+        for m, runs in summaries.items():
+            if m in ("baseline", "pg"):
+                continue
+            k, n, mean, worst = _count(list(zip(finals[m], finals["pg"])), lambda a, b: a > b)
+            claims.append(_claim(f"{m} ends above pg", k, n, mean, worst))
+            kls = [(x["mean_kl_k3"], y["mean_kl_k3"]) for x, y in zip(summaries["pg"], runs)]
+            k, n, mean, worst = _count(kls, lambda a, b: a > b)
+            claims.append(_claim(f"{m}'s mean KL(q‖p) is below pg's", k, n, mean, worst, "+.2e"))
+    return claims
+
+
+def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=None) -> Path:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for method, paths in runs.items():
         curves = [eval_curve(p) for p in paths]
@@ -151,6 +232,7 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config) -> Path
                "Regenerate with `make demo`.")
     curves = {m: [eval_curve(p) for p in paths] for m, paths in runs.items()}
     threshold = _threshold(curves)
+    summaries = {}
     header = ("| method | initial eval | final eval | best eval | AUC (mean eval) | steps to threshold | "
               "final train reward | mean KL(q‖p) | max p/q | s/step |")
     lines = ["# driftless demo", "", setting, "",
@@ -164,6 +246,8 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config) -> Path
             x["auc"] = statistics.fmean(ys)
             x["to_threshold"] = next((step for step, y in zip(xs, ys) if y >= threshold), None)
 
+        summaries[method] = s
+
         def col(key, fmt, s=s):
             return _spread([x[key] for x in s], fmt)
         reached = [x["to_threshold"] for x in s]
@@ -172,9 +256,21 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config) -> Path
         lines.append(f"| {method} | {col('initial_eval', '.3f')} | {col('final_eval', '.3f')} | "
                      f"{col('best_eval', '.3f')} | {col('auc', '.3f')} | {to_thr} | {col('final_train_reward', '.3f')} | "
                      f"{col('mean_kl_k3', '.2e')} | {col('max_ratio', '.3g')} | {col('mean_step_time', '.2f')} |")
-    lines += ["", "![held-out reward per step](eval_reward.png)", "",
+    if pairs is not None:
+        lines += ["", ("Final held-out reward of every run (warm start × RL seed; the initial value is the warm "
+                       "start's):"), "", "| warm start | seed | initial | " + " | ".join(runs) + " |",
+                  "|---|---|---|" + "---|" * len(runs)]
+        for i, (w, seed) in enumerate(pairs):
+            lines.append(f"| {w} | {seed} | {summaries[next(iter(runs))][i]['initial_eval']:.3f} | "
+                         + " | ".join(f"{summaries[m][i]['final_eval']:.3f}" for m in runs) + " |")
+    lines += ["", "## Reading", "", ("Computed from the table's runs (n = runs per method; a comparison between "
+                                     "methods pairs runs of the same warm start and seed):"), "",
+              *[f"- {claim}" for claim in reading(summaries)], "",
+              "![held-out reward per step](eval_reward.png)", "",
               "Per-run directories (config, metrics.jsonl, checkpoints, report, plots): "
-              + ", ".join(f"[{m}/seed{i}]({m}/seed{i}/report.md)" for m, ps in runs.items() for i in range(len(ps))),
+              + ", ".join(f"[{p.relative_to(run_dir) if p.is_relative_to(run_dir) else p}]"
+                          f"({p.relative_to(run_dir) if p.is_relative_to(run_dir) else p}/report.md)"
+                          for ps in runs.values() for p in map(Path, ps)),
               ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))

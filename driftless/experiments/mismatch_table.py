@@ -37,8 +37,20 @@ def _vllm_sampler(policy, spec: str, head_k: int):
     return VLLMSampler(policy, head_k=head_k, view=parse_view(spec))
 
 
+def _vllm_unavailable(spec: str) -> str | None:
+    from driftless.rollout.vllm import engine_option_unavailable
+
+    if spec.startswith(ENGINE_KV_PREFIX):
+        return engine_option_unavailable({"kv_cache_dtype": spec[len(ENGINE_KV_PREFIX):]})
+    return None
+
+
 def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=32, seed=0,
-                 make_sampler=_builtin_sampler) -> dict:
+                 make_sampler=_builtin_sampler, unavailable=lambda spec: None) -> dict:
+    """The row of one mismatch kind; ``{"unavailable": reason}`` where this machine cannot run it."""
+    reason = unavailable(spec)
+    if reason is not None:
+        return {"unavailable": reason}
     trainer = make_policy()
     sampler = make_sampler(make_policy(), spec, head_k)
     sampler.load(Snapshot.of(trainer, 0))
@@ -110,7 +122,7 @@ def _run_vllm_table(*, model_path, kinds, num_prompts, max_new_tokens, head_k, s
     name = str(model_path or f"random tiny Qwen3 (initializer_range 0.1, seed {seed})")
     return {"model": name, "engine": "vllm", "head_k": head_k,
             "kinds": {k: measure_view(make, k, prompts, max_new_tokens=max_new_tokens, head_k=head_k, seed=seed,
-                                      make_sampler=_vllm_sampler) for k in kinds}}
+                                      make_sampler=_vllm_sampler, unavailable=_vllm_unavailable) for k in kinds}}
 
 
 def format_table(result: dict) -> str:
@@ -118,6 +130,9 @@ def format_table(result: dict) -> str:
     lines = [f"| mismatch | tokens | mean KL(q‖p) (k3) | max abs Δ log p | sampler top-{k} mass | trainer mass on it |",
              "|---|---|---|---|---|---|"]
     for kind, r in result["kinds"].items():
+        if "unavailable" in r:
+            lines.append(f"| `{kind}` | unavailable here: {r['unavailable']} | | | | |")
+            continue
         lines.append(f"| `{kind}` | {r['tokens']} | {r['kl_k3']:.3e} | {r['max_abs_logp_diff']:.3e} | "
                      f"{r['sampler_head_mass']:.4f} | {r['trainer_head_mass']:.4f} |")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from driftless.ops.cpu import has_avx512_or_amx
 from driftless.rollout.batch import RolloutBatch
 from driftless.rollout.sampler import REFRESH_POLICIES, Snapshot, check_request
 from driftless.rollout.sampling import SamplingParams
@@ -84,6 +85,16 @@ def supported_head_sizes(device: str = "cpu") -> list[int] | None:
     return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
+def engine_option_unavailable(engine_kwargs: dict, device: str = "cpu") -> str | None:
+    """Why the engine would refuse these options on this machine, or None. vLLM's CPU backend runs an
+    fp8 KV cache only on x86 with AVX-512 or AMX (it raises NotImplementedError mid-start otherwise)."""
+    kv = str(engine_kwargs.get("kv_cache_dtype", "auto"))
+    if device == "cpu" and kv.startswith("fp8") and not has_avx512_or_amx():
+        return (f"kv_cache_dtype={kv!r} is unavailable on this CPU: vLLM's CPU backend runs fp8 KV caches only "
+                f"with AVX-512 or AMX, and /proc/cpuinfo reports neither")
+    return None
+
+
 def _check_model_dir(path: Path, tokenizer: bool) -> None:
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {path} has no config.json: not a transformers checkpoint")
@@ -126,6 +137,9 @@ class VLLMSampler:
         if sizes is not None and head_dim not in sizes:
             raise ValueError(f"the vLLM {device} attention backend cannot run head_dim={head_dim} "
                              f"(supported: {sizes}); choose hidden_size / num_attention_heads accordingly")
+        refused = engine_option_unavailable(engine_kwargs or {}, device)
+        if refused is not None:
+            raise ValueError(refused)
         self.policy, self.head_k, self.eos_id, self.pad_id, self.view = policy, head_k, eos_id, pad_id, view
         self.sampling_kwargs = sampling_kwargs
         self.version: int | None = None
