@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from driftless.diagnostics.evidence import eq1_parts
 from driftless.objectives import make
 
 
@@ -107,4 +108,4 @@ def log_ratio_decomposition(trainer_now_logp, trainer_at_version_logp, sampler_l
     for name, t in (("trainer_now_logp", now), ("trainer_at_version_logp", at_v), ("sampler_logp", samp)):
         if not torch.isfinite(t).all():
             raise ValueError(f"{name} holds NaN or inf")
-    return LogRatioDecomposition(total=now - samp, weight_movement=now - at_v, same_version=at_v - samp)
+    return LogRatioDecomposition(*eq1_parts(now, at_v, samp))

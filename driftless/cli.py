@@ -97,6 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--no-progress", action="store_true")
     cal.set_defaults(func=_calibrate)
 
+    sw = sub.add_parser("sweep", help="a grid of runs on Ray Tune from an experiment file (resumable)")
+    sw.add_argument("experiment", help="YAML with base, set, variants and grid (docs/diagnostics.md)")
+    sw.add_argument("--run-dir", required=True, help="each trial goes to RUN_DIR/<its grid values>/")
+    sw.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: the cluster's CPUs)")
+    sw.add_argument("--no-progress", action="store_true")
+    sw.set_defaults(func=_sweep)
+
+    rep = sub.add_parser("report", help="one table and plots across a sweep's runs: driftless report SWEEP_DIR")
+    rep.add_argument("sweep_dir")
+    rep.add_argument("--by", nargs="+", default=None, help="grid keys to group by (default: all but the seeds)")
+    rep.set_defaults(func=_report)
+
     d = sub.add_parser("demo", help="the main job: no-mismatch baseline, then pg vs tis vs sc under mismatch")
     d.add_argument("--config", default=None, help="base config (default: configs/demo.yaml settings)")
     d.add_argument("--methods", nargs="+", default=["baseline", "pg", "tis", "sc"],
@@ -211,6 +223,26 @@ def _calibrate(args) -> int:
     report = run_calibration(args.run_dir, settings=args.settings, seeds=args.seeds, workers=args.workers,
                              progress=not args.no_progress)
     print(report.read_text())
+    return 0
+
+
+def _sweep(args) -> int:
+    from driftless.experiments.sweep import run_sweep
+    from driftless.experiments.sweep_report import write_sweep_report
+
+    result = run_sweep(args.experiment, args.run_dir, max_concurrent=args.max_concurrent,
+                       progress=not args.no_progress)
+    report = write_sweep_report(args.run_dir)
+    print(report.read_text())
+    for name, error in result["failed"].items():
+        print(f"driftless: trial {name} failed: {error}", file=sys.stderr)
+    return 1 if result["failed"] else 0
+
+
+def _report(args) -> int:
+    from driftless.experiments.sweep_report import write_sweep_report
+
+    print(write_sweep_report(args.sweep_dir, by=args.by).read_text())
     return 0
 
 

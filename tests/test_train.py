@@ -264,13 +264,13 @@ def test_demo_check_over_warm_starts_resumes_and_reads(tmp_path, capsys):
     args = ["demo", "--warm-start-seeds", "2", "--run-dir", str(tmp_path / "check"), "--methods", "baseline", "pg",
             "sc", "--seeds", "1", "--workers", "1", "--no-progress", *overrides]
     assert main(args) == 0
-    report = (tmp_path / "check" / "noise0.05" / "report.md").read_text()
+    report = (tmp_path / "check" / "report.md").read_text()
     assert len(list((tmp_path / "ws").iterdir())) == 2  # one warm start per seed
     assert "| warm start | seed | initial | baseline | pg | sc |" in report
     assert "| 0 | 0 |" in report and "| 1 | 0 |" in report
     assert "- sc ends above pg in" in report and "- the baseline (no mismatch) ends above its start" in report
     metrics = sorted((tmp_path / "check").rglob("metrics.jsonl"))
-    assert len(metrics) == 6 and (tmp_path / "check" / "ws1" / "noise0.05" / "sc" / "seed0" / "metrics.jsonl").exists()
+    assert len(metrics) == 6 and (tmp_path / "check" / "ws1" / "sc" / "seed0" / "metrics.jsonl").exists()
     stamps = [m.stat().st_mtime_ns for m in metrics]
     capsys.readouterr()
     assert main(args) == 0  # resumed: every run is finished, nothing retrained

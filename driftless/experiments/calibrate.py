@@ -12,9 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from driftless.experiments.demo import REPO_CONFIGS, _prepare_warm_start, train_many
+from driftless.experiments.demo import REPO_CONFIGS, train_many
 from driftless.experiments.report import eval_curve, summarize
-from driftless.train import load_config
 
 # The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
 # configs/default.yaml; the mismatch is always off.
@@ -51,12 +50,10 @@ def run_calibration(run_dir="runs/calibration", *, settings=None, seeds: int = 3
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     config_path = REPO_CONFIGS / "default.yaml"
     run_dir = Path(run_dir)
-    for name in names:  # warm starts first, once each, so that the workers only read the cache
-        _prepare_warm_start(load_config(config_path, [*SETTINGS[name], *NO_MISMATCH]), progress)
-    jobs = [([*SETTINGS[n], *NO_MISMATCH, f"train.seed={s}"], run_dir / n / f"seed{s}")
-            for n in names for s in range(seeds)]
+    jobs = {run_dir / n / f"seed{s}": [*SETTINGS[n], *NO_MISMATCH, f"train.seed={s}"]
+            for n in names for s in range(seeds)}
     t0 = time.time()
-    train_many(config_path, jobs, workers=workers, progress=progress, desc="calibration")
+    train_many(config_path, jobs, workers=workers, progress=progress)  # warm starts first, once each
     lines = ["# Calibration runs", "",
              (f"`driftless calibrate --settings {' '.join(names)} --seeds {seeds}` ({time.time() - t0:.0f} s with "
               f"{workers} worker(s)); held-out greedy reward on 256 problems; mean [min, max] over seeds."), "",

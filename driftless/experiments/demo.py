@@ -3,29 +3,27 @@
 Warm-starts the built-in model if needed (cached, once, before any run), then trains each
 method from the same start under ``configs/demo.yaml`` for each of ``seeds`` RL seeds (the seed
 drives the prompts and the sampling; the warm start is shared). ``baseline`` is pg with the
-mismatch view switched off: the learning curve every correction is read against. Runs go to
-``workers`` processes at once (one BLAS thread each, so every run is bit-reproducible whatever
-the worker count). Writes ``runs/demo/report.md`` (summary table: mean and range over seeds of
+mismatch view switched off: the learning curve every correction is read against. Runs are trials
+of the sweep engine (driftless.experiments.sweep, Ray Tune), ``workers`` at once with one BLAS
+thread each, so every run is bit-reproducible whatever the worker count; a finished run is kept
+and an interrupted one resumes when the demo is run again. Writes ``runs/demo/report.md`` (summary table: mean and range over seeds of
 final / best held-out reward, area under the curve, steps to a threshold) and
 ``runs/demo/eval_reward.png`` (held-out reward per step per method, seeds' range shaded).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from multiprocessing import get_context
 from pathlib import Path
 
 import matplotlib
-from tqdm import tqdm
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics, summarize, write_run_report
-from driftless.train import load_config, train
+from driftless.experiments.report import eval_curve, read_metrics, summarize
+from driftless.experiments.sweep import run_trials
+from driftless.train import load_config
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 METHODS = ("baseline", "pg", "tis", "sc")
@@ -43,98 +41,48 @@ def method_overrides(method: str) -> list[str]:
     return [f"objective.name={method}"]
 
 
-def is_finished(run_dir: Path, steps: int) -> bool:
-    """A run directory whose metrics already hold ``steps`` steps (and its report)."""
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if not metrics.exists() or not (Path(run_dir) / "report.md").exists():
-        return False
-    return sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= steps
-
-
-def _train_one(config_path, overrides, path, threads: int) -> str:
-    import torch
-
-    torch.set_num_threads(threads)
-    cfg = load_config(config_path, overrides)
-    run_dir = train(cfg, path, overwrite=True, progress=False)  # regenerable: a demo overwrites
-    write_run_report(run_dir)
-    return str(run_dir)
-
-
 def run_demo(run_dir="runs/demo", *, methods=METHODS, seeds: int = 3, config_path=None, overrides=(),
              progress=True, workers: int | None = None) -> Path:
-    if seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {seeds}")
-    workers = workers or min(2, os.cpu_count() or 1)
-    if workers < 1:
+    """Every method × ``seeds`` RL seeds from one warm start; ``RUN_DIR/{method}/seed{s}``; the comparison."""
+    return run_demo_check(run_dir, warm_start_seeds=None, methods=methods, seeds=seeds, config_path=config_path,
+                          overrides=overrides, progress=progress, workers=workers)
+
+
+def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int | None = 3, methods=METHODS, seeds: int = 3,
+                   config_path=None, overrides=(), progress=True, workers: int | None = None) -> Path:
+    """The demo over ``warm_start_seeds`` warm starts × ``seeds`` RL seeds (a warm start stands in for
+    another machine: fast execution lands elsewhere there); ``None``: the demo's own warm start.
+
+    Runs go to ``RUN_DIR/ws{w}/{method}/seed{s}`` and the comparison, with the reading of every
+    (warm start, seed) pair, to ``RUN_DIR/report.md``. Runs are trials of the sweep engine: a
+    finished run is kept, an interrupted one resumes."""
+    if seeds < 1 or (warm_start_seeds is not None and warm_start_seeds < 1):
+        raise ValueError(f"seeds and warm_start_seeds must be >= 1, got {seeds} and {warm_start_seeds}")
+    if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     run_dir = Path(run_dir)
     config_path = config_path or demo_config_path()
     base = load_config(config_path, list(overrides))
-    _prepare_warm_start(base, progress)  # once, here: the workers only read the cache
-    jobs = {(m, seed): ([*overrides, *method_overrides(m), f"train.seed={seed}"], run_dir / m / f"seed{seed}")
-            for m in methods for seed in range(seeds)}
-    train_many(config_path, list(jobs.values()), workers=workers, progress=progress, desc="demo")
-    runs = {m: [jobs[(m, seed)][1] for seed in range(seeds)] for m in methods}
-    return write_comparison(run_dir, runs, base)
-
-
-def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int = 3, methods=METHODS, seeds: int = 3,
-                   config_path=None, overrides=(), progress=True, workers: int | None = None) -> Path:
-    """The demo over ``warm_start_seeds`` warm starts × ``seeds`` RL seeds (a warm start stands in for
-    another machine: fast execution lands elsewhere there). Resumable: finished runs are kept.
-
-    Runs go to ``RUN_DIR/ws{w}/baseline/seed{s}`` (no mismatch: shared by every view) and
-    ``RUN_DIR/ws{w}/{view}/{method}/seed{s}``; writes ``RUN_DIR/{view}/report.md`` with the reading of
-    every (warm start, seed) pair."""
-    if warm_start_seeds < 1 or seeds < 1:
-        raise ValueError(f"warm_start_seeds and seeds must be >= 1, got {warm_start_seeds} and {seeds}")
-    workers = workers or min(2, os.cpu_count() or 1)
-    run_dir = Path(run_dir)
-    config_path = config_path or demo_config_path()
-    base = load_config(config_path, list(overrides))
-    view = base.mismatch.view.replace(":", "")
-    jobs, runs = [], {}
-    for w in range(warm_start_seeds):
-        ws = [f"warm_start.seed={w}"]
-        _prepare_warm_start(load_config(config_path, [*overrides, *ws]), progress)
+    starts = [None] if warm_start_seeds is None else list(range(warm_start_seeds))
+    jobs, runs, pairs = {}, {m: [] for m in methods}, []
+    for w in starts:
+        ws = [] if w is None else [f"warm_start.seed={w}"]
         for seed in range(seeds):
+            pairs.append((w, seed))
             for m in methods:
-                path = run_dir / f"ws{w}" / ("baseline" if m == "baseline" else f"{view}/{m}") / f"seed{seed}"
-                runs.setdefault(m, []).append(path)
-                if not is_finished(path, base.train.steps):
-                    jobs.append(([*overrides, *ws, *method_overrides(m), f"train.seed={seed}"], path))
-    train_many(config_path, jobs, workers=workers, progress=progress, desc=f"demo check ({len(jobs)} to run)")
-    out = run_dir / view
-    out.mkdir(parents=True, exist_ok=True)
-    return write_comparison(out, runs, base, pairs=[(w, s) for w in range(warm_start_seeds) for s in range(seeds)])
+                path = run_dir / ("" if w is None else f"ws{w}") / m / f"seed{seed}"
+                runs[m].append(path)
+                jobs[path] = [*overrides, *ws, *method_overrides(m), f"train.seed={seed}"]
+    train_many(config_path, jobs, workers=workers, progress=progress)
+    return write_comparison(run_dir, runs, base, pairs=None if warm_start_seeds is None else pairs)
 
 
-def train_many(config_path, jobs: list[tuple[list[str], Path]], *, workers: int, progress: bool = True,
-               desc: str = "runs") -> None:
-    """Train ``(overrides, run_dir)`` jobs, ``workers`` at a time, each with its share of the CPU threads."""
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    bar = tqdm(total=len(jobs), desc=f"{desc} ({workers} worker(s))", disable=not progress)
-    if workers == 1:
-        for ov, path in jobs:
-            _train_one(config_path, ov, path, threads)
-            bar.update()
-    else:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(_train_one, config_path, ov, path, threads) for ov, path in jobs]
-            for f in as_completed(futures):
-                f.result()
-                bar.update()
-    bar.close()
-
-
-def _prepare_warm_start(config, progress: bool) -> None:
-    if config.model.kind != "tiny" or not config.model.warm_start:
-        return
-    from driftless.tasks import CharTokenizer
-    from driftless.train.factory import initial_state
-
-    initial_state(config, CharTokenizer(), progress)
+def train_many(config_path, jobs: dict[Path, list[str]], *, workers: int | None = None, progress: bool = True) -> None:
+    """Train ``{run_dir: overrides}`` on the sweep engine (Ray Tune), ``workers`` at a time (default: one per
+    CPU), one thread each: every run is bit-reproducible whatever the worker count. Failures are named."""
+    failed = run_trials(config_path, jobs, max_concurrent=workers, progress=progress)
+    if failed:
+        raise RuntimeError("runs failed: " + "; ".join(f"{p}: {e}" for p, e in failed.items()))
 
 
 def _spread(values: list[float], fmt: str) -> str:

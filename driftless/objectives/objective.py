@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from driftless.diagnostics.evidence import ratio_diagnostics
 from driftless.diagnostics.metrics import (
     LOG_RATIO_CLAMP,
     effective_sample_size,
@@ -164,8 +165,8 @@ class Objective:
         target = inp.anchor_logp if self.weight.target == "anchor" else inp.trainer_logp.detach()
         weight, raw_ratio = self.weight(target, inp.sampler_logp, mask)
 
-        loss_tok, metrics = self.surrogate(inp, weight)
-        metrics = dict(metrics)
+        loss_tok, surrogate_metrics = self.surrogate(inp, weight)
+        metrics = dict(surrogate_metrics)
 
         head = None
         if self.needs_head:
@@ -188,11 +189,11 @@ class Objective:
         loss = reduce_loss(loss_tok, mask, self.reduction)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"objective {self.name!r} produced a non-finite loss ({float(loss)})")
-        metrics.update(self._mismatch_metrics(inp, weight, raw_ratio))
+        metrics.update(self._mismatch_metrics(inp, weight, raw_ratio, surrogate_metrics))
         metrics["loss"] = float(loss.detach())
         return loss, metrics
 
-    def _mismatch_metrics(self, inp: Inputs, weight, raw_ratio) -> dict[str, float]:
+    def _mismatch_metrics(self, inp: Inputs, weight, raw_ratio, surrogate_metrics: dict) -> dict[str, float]:
         mask = inp.mask
         lp, lq = inp.trainer_logp.detach(), inp.sampler_logp
         direct = torch.exp((lp - lq).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -201,6 +202,7 @@ class Objective:
         out.update(masked_stats(weight, mask, "weight"))  # the weight actually applied
         if self.weight.level != "token":  # the raw sequence / geometric ratio, before truncation
             out.update(masked_stats(raw_ratio, mask, f"{self.weight.level}_ratio"))
+        out.update(ratio_diagnostics(lp, lq, mask))  # Rényi D2, quantiles and tails of p/q
         out["ratio_ess"] = effective_sample_size(direct, mask)
         out["weight_ess"] = effective_sample_size(weight, mask)
         kind = self.weight.kind
@@ -210,7 +212,7 @@ class Objective:
             out["truncated_fraction"] = 0.0
         if kind in ("mis", "band"):
             out["masked_fraction"] = masked_mean((weight == 0).to(mask.dtype), mask)
-        else:
+        elif "masked_fraction" not in surrogate_metrics:  # a surrogate that masks (DPPO) reports its own
             out["masked_fraction"] = 0.0
         out["kl_k1"] = kl_k1(lp, lq, mask)
         out["kl_k3"] = kl_k3(lp, lq, mask)

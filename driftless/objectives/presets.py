@@ -12,6 +12,8 @@
 | dapo           | none              | PPO clip-higher      |           |         | token-mean          |
 | gspo           | none              | GSPO sequence clip   |           |         | seq-mean-token-mean |
 | cispo          | none              | CISPO                |           |         | token-mean          |
+| dppo-tv        | min(p/q, 20)      | REINFORCE, TV mask   |           |         | token-mean          |
+| dppo-kl        | min(p/q, 20)      | REINFORCE, KL mask   |           |         | token-mean          |
 | sc             | none              | REINFORCE            | top-k     |         | token-mean          |
 | sc+tis         | min(p/q, cap)     | REINFORCE            | weighted  |         | token-mean          |
 | sc+mis         | p/q in band       | REINFORCE            | weighted  |         | token-mean          |
@@ -28,7 +30,7 @@ from driftless.objectives.centering import ScoreCentering
 from driftless.objectives.objective import Objective
 from driftless.objectives.penalties import ReferenceKL, SamplerKL
 from driftless.objectives.reductions import REDUCTIONS
-from driftless.objectives.surrogates import CISPO, GSPOClip, PPOClip, Reinforce, UnclippedRatio
+from driftless.objectives.surrogates import CISPO, DivergenceMask, GSPOClip, PPOClip, Reinforce, UnclippedRatio
 from driftless.objectives.weights import LEVELS, Weight
 
 _COMMON = ("reduction", "ref_kl_beta", "ref_kl_estimator")
@@ -122,6 +124,16 @@ def _gspo(p):
 @preset("cispo", eps_low=1.0, eps_high=0.28)
 def _cispo(p):
     return {"surrogate": CISPO(p["eps_low"], p["eps_high"])}
+
+
+@preset("dppo-tv", delta_low=0.15, delta_high=0.15, cap=20.0)
+def _dppo_tv(p):
+    return {"weight": Weight("tis", cap=p["cap"]), "surrogate": DivergenceMask("tv", p["delta_low"], p["delta_high"])}
+
+
+@preset("dppo-kl", delta_low=0.05, delta_high=0.05, cap=20.0)
+def _dppo_kl(p):
+    return {"weight": Weight("tis", cap=p["cap"]), "surrogate": DivergenceMask("kl", p["delta_low"], p["delta_high"])}
 
 
 @preset("sc", top_k=128)

@@ -130,3 +130,57 @@ class CISPO:
 
     def describe(self) -> str:
         return f"−w · sg(clip(r, 1−{self.eps_low}, 1+{self.eps_high})) · A · log p"
+
+
+DIVERGENCES = ("tv", "kl")
+
+
+@dataclass(frozen=True)
+class DivergenceMask:
+    """DPPO's trust region (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"):
+    loss = −w · m · A · log p, with m = 0 on tokens whose binary divergence from the sampler has left the
+    region in the direction the advantage pushes, 1 elsewhere; w is the (detached, truncated) weight.
+
+    With μ = q(a) the sampler's probability of the recorded token and p = p_θ(a):
+
+    - ``tv``: D = p − μ (the binary total variation |p − μ| with its sign); A > 0 is masked when
+      D > delta_high (moved up too far), A < 0 when D < −delta_low (moved down too far).
+    - ``kl``: D = μ log(μ/p) + (1 − μ) log((1 − μ)/(1 − p)) (binary KL); A > 0 is masked when
+      D > delta_high and p > μ, A < 0 when D > delta_low and p < μ.
+
+    Tokens with A = 0 are never masked (their loss is 0 anyway). The region is anchored to the
+    sampler's recorded log q: the mismatch itself counts as movement.
+    """
+
+    divergence: str = "tv"
+    delta_low: float = 0.15
+    delta_high: float = 0.15
+    uses_anchor = False
+
+    def __post_init__(self):
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+        if not self.delta_low > 0 or not self.delta_high > 0:
+            raise ValueError(f"delta_low and delta_high must be > 0, got {self.delta_low}, {self.delta_high}")
+
+    def keep(self, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, advantage: torch.Tensor) -> torch.Tensor:
+        """The mask m (bool, detached): True where the token still contributes."""
+        lp, lq = trainer_logp.detach().double(), sampler_logp.detach().double()
+        p, mu = lp.exp(), lq.exp()
+        if self.divergence == "tv":
+            up_ok, down_ok = p - mu <= self.delta_high, p - mu >= -self.delta_low
+        else:
+            # binary KL(μ‖p) over {a, not a}; log1p(−x) keeps 1 − p accurate when p is near 0
+            kl = mu * (lq - lp) + (1 - mu) * (torch.log1p(-mu.clamp(max=1 - 1e-12)) - torch.log1p(-p.clamp(max=1 - 1e-12)))
+            up_ok, down_ok = (kl <= self.delta_high) | (p <= mu), (kl <= self.delta_low) | (p >= mu)
+        return torch.where(advantage > 0, up_ok, torch.where(advantage < 0, down_ok, torch.ones_like(up_ok)))
+
+    def __call__(self, inp, weight):
+        keep = self.keep(inp.trainer_logp, inp.sampler_logp, inp.advantage).to(inp.mask.dtype)
+        metrics = {"masked_fraction": masked_mean(1 - keep, inp.mask)}
+        return -weight * keep * inp.advantage * inp.trainer_logp, metrics
+
+    def describe(self) -> str:
+        d = "p − q" if self.divergence == "tv" else "binary KL(q‖p)"
+        return (f"−w · m · A · log p, m = 0 where {d} leaves [−{self.delta_low}, {self.delta_high}] "
+                f"in the advantage's direction")

@@ -5,6 +5,7 @@
                                optim.pt             optimizer state
                                state.json           counters: step, version, sampler_version, ...
                                snapshot_000038.safetensors  weights published after step 38 (a lagged sampler's)
+                               version_000012.safetensors   the learner's weights at version 12 (Eq. 1's p_v)
     RUN/checkpoints/latest                          the name of the newest complete checkpoint
 
 A checkpoint is written to a hidden temporary folder and renamed into place, then ``latest`` is
@@ -29,8 +30,9 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, optimizer: dict, state: dict,
-                    snapshots: dict[int, dict] | None = None) -> Path:
-    """``snapshots``: published weights a resumed run still needs (a lagged sampler), by step count."""
+                    snapshots: dict[int, dict] | None = None, versions: dict[int, dict] | None = None) -> Path:
+    """``snapshots``: published weights a resumed run still needs (a lagged sampler), by step count;
+    ``versions``: the learner's past weights by version (the Eq. 1 decomposition's)."""
     root = Path(run_dir) / "checkpoints"
     name = f"step_{step:06d}"
     tmp = root / f".{name}.tmp"
@@ -42,6 +44,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, opt
     torch.save(optimizer, tmp / "optim.pt")
     for i, snap in (snapshots or {}).items():
         save_file({k: v.contiguous() for k, v in snap.items()}, str(tmp / f"snapshot_{i:06d}.safetensors"))
+    for v, weights in (versions or {}).items():
+        save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp / f"version_{v:06d}.safetensors"))
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
     final = root / name
     if final.exists():
@@ -65,6 +69,7 @@ def load_checkpoint(path: Path, *, weights_only: bool = False) -> dict:
         out["sampler"] = load_file(str(path / "sampler.safetensors"))
         out["optimizer"] = torch.load(path / "optim.pt", weights_only=True)
         out["snapshots"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("snapshot_*.safetensors"))}
+        out["versions"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("version_*.safetensors"))}
     return out
 
 

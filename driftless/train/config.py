@@ -240,6 +240,16 @@ class TrainSection:
 
 
 @dataclass
+class DiagnosticsSection:
+    decomposition: bool = True  # Eq. 1 every update: weight movement vs same-version disagreement (docs/diagnostics.md)
+    keep_versions: int | None = None  # past versions' weights kept for it; None: what staleness / lag / η need
+
+    def __post_init__(self):
+        if self.keep_versions is not None and (not isinstance(self.keep_versions, int) or self.keep_versions < 0):
+            raise ValueError(f"diagnostics.keep_versions must be an integer >= 0 (or null), got {self.keep_versions!r}")
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
@@ -249,6 +259,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     train: TrainSection = field(default_factory=TrainSection)
+    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
 
     def __post_init__(self):
         if self.train.learner_runtime == "ray" and (self.rollout.mode, self.rollout.runtime) != ("async", "ray"):
@@ -267,6 +278,14 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def versions_to_keep(self) -> int:
+        """How many past versions' weights Eq. 1 needs: one more than the most updates a token can lag."""
+        if self.diagnostics.keep_versions is not None:
+            return self.diagnostics.keep_versions
+        r = self.rollout
+        behind = max(r.lag, self.mismatch.staleness, r.staleness_bound if r.mode == "async" else 0)
+        return behind + 1 if behind else 0
 
 
 def _coerce(key: str, value, annotation):

@@ -54,7 +54,8 @@ def make_learner(config: RunConfig, tokenizer, state) -> Learner:
                                (o.beta1, o.beta2))
     return Learner(policy, config.objective.build(), optimizer, grad_clip=o.grad_clip,
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
-                   schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches)
+                   schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
+                   decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep())
 
 
 class Run:
@@ -196,13 +197,14 @@ class Run:
                    "skipped_steps": learner["skipped_steps"], "reward_ema": self.reward_ema,
                    "best_reward_ema": self.best_reward_ema, "last_eval": self.last_eval,
                    "snapshot_versions": {str(k): v.version for k, v in self.history.items()}},
-            snapshots={k: v.state for k, v in self.history.items()})
+            snapshots={k: v.state for k, v in self.history.items()}, versions=learner["versions"])
 
     def load_checkpoint(self, path: Path) -> None:
         ckpt = checkpoint.load_checkpoint(path)
         state = ckpt["state"]
         self.learner.load_state_dict({"model": ckpt["model"], "optimizer": ckpt["optimizer"],
-                                      "version": state["version"], "skipped_steps": state["skipped_steps"]})
+                                      "version": state["version"], "skipped_steps": state["skipped_steps"],
+                                      "versions": ckpt["versions"]})
         self.step_index = state["step"]
         self.reward_ema, self.best_reward_ema = state["reward_ema"], state["best_reward_ema"]
         self.last_eval = state["last_eval"]

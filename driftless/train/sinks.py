@@ -9,6 +9,8 @@ naming the part (``rollout``, ``learner``, ``eval``, ``run``); ``end_step(step)`
   (needs the ``tensorboard`` package: ``pip install driftless[tensorboard]``).
 - ``wandb``: Weights & Biases, keys ``source/key`` (``pip install driftless[wandb]``; set
   ``WANDB_MODE=offline`` to log without an account or a network).
+- ``tune``: inside a Ray Tune trial (``driftless sweep``), every step's scalars to ``tune.report``,
+  so Tune's progress table shows reward while a grid runs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-LOGGERS = ("jsonl", "tensorboard", "wandb")
+LOGGERS = ("jsonl", "tensorboard", "wandb", "tune")
 
 
 class JSONLSink:
@@ -88,6 +90,35 @@ class WandbSink:
         self.run.finish()
 
 
+class TuneSink:
+    def __init__(self):
+        import warnings
+
+        try:
+            from ray import tune
+        except ImportError as err:
+            raise ValueError("train.loggers has 'tune' but Ray Tune is not installed: pip install 'driftless[tune]'") \
+                from err
+        with warnings.catch_warnings():  # outside a trial Ray warns and answers None
+            warnings.simplefilter("ignore")
+            trial = tune.get_context().get_trial_id()
+        if trial is None:
+            raise ValueError("train.loggers has 'tune', but this run is not a Ray Tune trial (driftless sweep adds "
+                             "it to its trials); drop it from train.loggers to run this config on its own")
+        self.report = tune.report
+        self._pending: dict = {}
+
+    def log(self, step: int, metrics: dict, source: str) -> None:
+        self._pending.update(dict(_scalars(metrics)))
+
+    def end_step(self, step: int) -> None:
+        self.report({**self._pending, "step": step})
+        self._pending = {}
+
+    def close(self) -> None:
+        pass
+
+
 class Sinks:
     """Fan-out to every configured sink."""
 
@@ -117,4 +148,6 @@ def open_sinks(loggers, run_dir: Path, config: dict) -> Sinks:
         sinks.append(TensorBoardSink(run_dir / "tb"))
     if "wandb" in loggers:
         sinks.append(WandbSink(run_dir, config, run_dir.name))
+    if "tune" in loggers:
+        sinks.append(TuneSink())
     return Sinks(sinks)

@@ -62,7 +62,9 @@ def replay(run_dir):
     files = sorted((run_dir / TRACE_DIR).glob("step_*.safetensors"))
     if not files:
         raise ValueError(f"{run_dir} has no trace (only asynchronous runs write one, under {TRACE_DIR}/)")
-    config = load_config(run_dir / "config.yaml", ["rollout.mode=sync"])
+    original = load_config(run_dir / "config.yaml")  # Eq. 1 keeps as many past versions as the run did
+    config = load_config(run_dir / "config.yaml",
+                         ["rollout.mode=sync", f"diagnostics.keep_versions={original.versions_to_keep()}"])
     learner = Run(config, run_dir / "replay", progress=False).learner
     out = []
     for path in files:

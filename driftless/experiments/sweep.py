@@ -1,0 +1,259 @@
+"""``driftless sweep EXPERIMENT.yaml --run-dir DIR``: a grid of runs on Ray Tune, resumable.
+
+An experiment file names a base config, overrides for every trial, optional named variants and a
+grid over any config keys::
+
+    base: configs/default.yaml          # relative to the current folder, else to this file's
+    set: {train.steps: 40}              # every trial
+    variants:                           # optional: named override sets, each crossed with the grid
+      baseline: {objective.name: pg, mismatch.view: none}
+      sc: {objective.name: sc}
+    grid: {mismatch.view: ["noise:0.3"], train.seed: [0, 1, 2]}
+
+Each trial is a normal run directory, ``DIR/<its variant and grid values>/`` (config.yaml,
+metrics.jsonl, checkpoints, report), trained by a Ray Tune function trainable that reports every
+step to Tune (the ``tune`` metric sink). Local Ray with this machine's CPUs by default, one trial
+per CPU and one torch thread each; set ``RAY_ADDRESS`` to run the same command on a cluster.
+
+Resumable: a trial whose run finished (``DIR/<trial>/done.json``) is not trained again; an
+unfinished one continues from its last checkpoint (bit-identical lines, one thread per trial);
+every start is recorded in ``DIR/<trial>/attempts.jsonl``. A failing trial is reported by name and
+does not stop the others. Every trial's config is built and checked before any trial starts, and
+the warm starts are computed once, before the trials.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from driftless.train import load_config
+from driftless.train.config import RunConfig
+
+SEED_KEYS = ("train.seed", "warm_start.seed")
+
+
+@dataclass
+class Trial:
+    name: str
+    values: dict  # the grid values (and "variant") that name the trial
+    overrides: list[str]
+
+
+@dataclass
+class Experiment:
+    base: Path | None
+    set: dict = field(default_factory=dict)
+    grid: dict = field(default_factory=dict)
+    variants: dict = field(default_factory=dict)
+    source: Path | None = None
+
+    def trials(self) -> list[Trial]:
+        keys = list(self.grid)
+        variants = list(self.variants.items()) or [(None, {})]
+        out = []
+        for vname, vset in variants:
+            for combo in itertools.product(*(self.grid[k] for k in keys)):
+                values = dict(zip(keys, combo))
+                parts = ([vname] if vname is not None else []) + [f"{k}={_fmt(v)}" for k, v in values.items()]
+                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **vset, **values}.items()]
+                named = {"variant": vname, **values} if vname is not None else values
+                out.append(Trial(",".join(parts).replace("/", "_") or "default", named, overrides))
+        return out
+
+    def config(self, trial: Trial) -> RunConfig:
+        return load_config(self.base, trial.overrides)
+
+    def check(self) -> list[RunConfig]:
+        """Every trial's config: every key exists and every value is accepted, before any trial runs."""
+        where = f"{self.source}: " if self.source else ""
+        configs = []
+        for trial in self.trials():
+            try:
+                configs.append(self.config(trial))
+            except ValueError as err:
+                raise ValueError(f"{where}trial {trial.name!r}: {err}") from None
+        return configs
+
+
+def _fmt(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _yaml(value) -> str:
+    """A value as the command line's ``key=value`` reads it back (YAML)."""
+    return value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def load_experiment(path) -> Experiment:
+    """Read and check an experiment file; every problem is refused by name before anything runs."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"experiment file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: an experiment file is a mapping with base, set, variants and grid")
+    unknown = sorted(set(data) - {"base", "set", "grid", "variants"})
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; an experiment file has base, set, variants, grid")
+    grid = data.get("grid")
+    if not grid or not isinstance(grid, dict):
+        raise ValueError(f"{path}: the experiment has no grid (grid: {{key: [values, ...]}})")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{path}: grid.{key} must be a non-empty list, got {values!r}")
+    for name in ("set", "variants"):
+        if not isinstance(data.get(name) or {}, dict):
+            raise ValueError(f"{path}: {name} must be a mapping, got {data[name]!r}")
+    variants = data.get("variants") or {}
+    for vname, vset in variants.items():
+        if not isinstance(vset, dict):
+            raise ValueError(f"{path}: variants.{vname} must be a mapping of config keys, got {vset!r}")
+    base = data.get("base")
+    if base is not None:
+        base = Path(base)
+        if not base.exists() and (path.parent / base).exists():
+            base = path.parent / base
+        if not base.exists():
+            raise ValueError(f"{path}: base config {data['base']} does not exist (relative to the current "
+                             f"folder or to {path.parent})")
+    exp = Experiment(base, data.get("set") or {}, grid, variants, path)
+    exp.check()
+    return exp
+
+
+# ---------------------------------------------------------------- one trial (runs in a Ray worker)
+def _numeric(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, report=None) -> dict:
+    """Train one trial in ``run_dir``: resume it, or do nothing when it is done; its summary.
+
+    A directory holding a run of another config (the experiment changed) is trained afresh."""
+    import torch
+
+    from driftless.experiments.report import summarize, write_run_report
+    from driftless.train import dump_config, train
+    from driftless.train.checkpoint import latest_checkpoint
+
+    torch.set_num_threads(threads)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(base, overrides)
+    if report is not None and "tune" not in cfg.train.loggers:
+        cfg.train.loggers = [*cfg.train.loggers, "tune"]
+    done, saved = run_dir / "done.json", run_dir / "config.yaml"
+    same = saved.exists() and saved.read_text() == dump_config(cfg)
+    latest = latest_checkpoint(run_dir) if same else None
+    attempt = {"done_before": same and done.exists(), "resumed_from": None if latest is None else latest.name,
+               "config_changed": saved.exists() and not same}
+    with (run_dir / "attempts.jsonl").open("a") as f:
+        f.write(json.dumps(attempt) + "\n")
+    if attempt["done_before"]:
+        summary = json.loads(done.read_text())
+    else:
+        done.unlink(missing_ok=True)
+        train(cfg, run_dir, resume=latest is not None, overwrite=True, progress=False)
+        write_run_report(run_dir)
+        summary = summarize(run_dir)
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary))
+        tmp.replace(done)
+    if report is not None:
+        report({**_numeric(summary), "done": 1})
+    return summary
+
+
+def _tune_trainable(spec: dict):
+    def trainable(config):
+        from ray import tune
+
+        path = config["trial"]
+        run_trial(spec["base"], spec["trials"][path], Path(path), threads=1, report=tune.report)
+    return trainable
+
+
+# ---------------------------------------------------------------- the sweep (the driver)
+def prepare_warm_starts(configs: list[RunConfig], progress: bool) -> None:
+    """Each distinct warm start once, here, before any trial (the trials only read the cache)."""
+    from driftless.tasks import CharTokenizer
+    from driftless.train.factory import initial_state
+
+    seen = set()
+    for cfg in configs:
+        if cfg.model.kind != "tiny" or not cfg.model.warm_start:
+            continue
+        key = json.dumps([asdict(cfg.model), asdict(cfg.task), asdict(cfg.warm_start), cfg.rollout.max_new_tokens],
+                         sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            initial_state(cfg, CharTokenizer(), progress)
+
+
+def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, progress: bool = True) -> dict:
+    """Run (or continue) every trial of an experiment file on Ray Tune; ``{"trials", "failed", "run_dir"}``."""
+    return run_experiment(load_experiment(experiment_path), run_dir, max_concurrent=max_concurrent,
+                          progress=progress)
+
+
+def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = None, progress: bool = True) -> dict:
+    root = Path(run_dir).resolve()
+    trials = exp.trials()
+    exp.check()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.json").write_text(json.dumps({
+        "experiment": str(exp.source), "base": str(exp.base) if exp.base else None, "set": exp.set,
+        "variants": exp.variants, "grid": exp.grid,
+        "trials": {t.name: {"values": t.values, "overrides": t.overrides} for t in trials}}, indent=2, default=str))
+    failed = run_trials(exp.base, {root / t.name: t.overrides for t in trials}, max_concurrent=max_concurrent,
+                        progress=progress, storage=root / ".tune")
+    return {"trials": [t.name for t in trials], "failed": {Path(p).name: e for p, e in failed.items()},
+            "run_dir": str(root)}
+
+
+def run_trials(base, trials: dict[Path, list[str]], *, max_concurrent: int | None = None, progress: bool = True,
+               storage: Path | None = None) -> dict[str, str]:
+    """Train every ``{run_dir: overrides}`` as a Ray Tune trial (one CPU, one thread each); ``{run_dir: error}``
+    of the trials that failed. The engine behind ``sweep``, ``demo`` and ``calibrate``."""
+    trials = {str(Path(p).resolve()): list(ov) for p, ov in trials.items()}
+    configs = {p: load_config(base, ov) for p, ov in trials.items()}
+    for p, cfg in configs.items():  # the warm-start cache is relative to here: absolute for the trials
+        trials[p].append(f"warm_start.cache_dir={Path(cfg.warm_start.cache_dir).resolve()}")
+    prepare_warm_starts(list(configs.values()), progress)
+    storage = Path(storage) if storage else Path(os.path.commonpath(list(trials))) / ".tune"
+
+    import ray
+    from ray import tune
+
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+    started = not ray.is_initialized()
+    if started:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)  # join the cluster, nothing else changed
+        else:
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        spec = {"base": str(base) if base else None, "trials": trials}
+        tuner = tune.Tuner(
+            tune.with_resources(_tune_trainable(spec), {"cpu": 1}),
+            param_space={"trial": tune.grid_search(list(trials))},
+            tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent or cpus),
+            run_config=tune.RunConfig(name="tune", storage_path=str(storage), verbose=1 if progress else 0),
+        )
+        results = tuner.fit()
+    finally:
+        if started:
+            ray.shutdown()
+    failed = {}
+    for result in results:
+        if result.error is not None:
+            path = (result.config or {}).get("trial", "?")
+            failed[path] = f"{type(result.error).__name__}: {str(result.error).strip().splitlines()[-1][:500]}"
+    return failed

@@ -1,0 +1,194 @@
+"""``driftless report SWEEP_DIR``: one table and plots across a sweep's runs, grouped by grid keys.
+
+Every number is recomputed from the run directories (``metrics.jsonl``, ``initial_eval.json``).
+Runs are grouped by every grid key except the seeds (``train.seed``, ``warm_start.seed``), or by
+the keys given; each cell is the mean over a group's runs with their range ``[min, max]``.
+
+Definitions (docs/diagnostics.md):
+
+- **AUC**: the mean of a run's held-out evaluations, the initial one included.
+- **steps to threshold**: the first evaluation at or above the threshold, halfway from the mean
+  initial held-out reward to the reference group's mean final one (the reference: the group with
+  ``mismatch.view=none`` if there is one, else the group with the best mean final reward); runs
+  that never reach it count as their length and are marked.
+- **collapse step**: the first evaluation below the run's initial held-out reward minus
+  ``COLLAPSE_MARGIN`` after which no evaluation recovers above that line; "—" if none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from driftless.experiments.report import eval_curve, read_metrics
+from driftless.experiments.sweep import SEED_KEYS
+
+COLLAPSE_MARGIN = 0.05
+
+
+def collapse_step(xs: list[int], ys: list[float], margin: float = COLLAPSE_MARGIN) -> int | None:
+    """The first evaluation step below ``ys[0] − margin`` never followed by one at or above it."""
+    line = ys[0] - margin
+    step = None
+    for x, y in zip(xs[1:], ys[1:]):
+        if y < line:
+            step = x if step is None else step
+        else:
+            step = None
+    return step
+
+
+def run_row(run_dir: Path) -> dict:
+    rows = read_metrics(run_dir)
+    xs, ys = eval_curve(run_dir)
+
+    def mean(key):
+        vals = [r[key] for r in rows if key in r]
+        return statistics.fmean(vals) if vals else float("nan")
+    return {
+        "curve": (xs, ys), "rows": rows,
+        "initial": ys[0], "final": ys[-1], "best": max(ys), "auc": statistics.fmean(ys),
+        "collapse": collapse_step(xs, ys), "steps": len(rows),
+        "kl": mean("kl_k3"), "d2": mean("renyi_d2"), "p99": mean("ratio_p99"),
+        "masked": mean("masked_fraction"), "stale": rows[-1].get("stale_rows_dropped", 0),
+        "wall": rows[-1].get("wall_time", float("nan")), "tokens_per_s": mean("tokens_per_s"),
+    }
+
+
+def find_runs(sweep_dir: Path) -> tuple[dict[str, dict], list[str], list[str]]:
+    """(``{trial: values}`` of the runs found, grid keys, problems): from ``sweep.json`` when there is one."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ValueError(f"{sweep_dir} is not a directory")
+    spec = sweep_dir / "sweep.json"
+    problems = []
+    if spec.exists():
+        data = json.loads(spec.read_text())
+        keys = (["variant"] if data.get("variants") else []) + list(data["grid"])
+        runs = {}
+        for name, trial in data["trials"].items():
+            if (sweep_dir / name / "metrics.jsonl").exists():
+                runs[name] = trial["values"]
+            else:
+                problems.append(f"{name}: no metrics.jsonl (not run yet, or failed before its first step)")
+        return runs, keys, problems
+    runs = {p.parent.name: {"run": p.parent.name} for p in sorted(sweep_dir.glob("*/metrics.jsonl"))
+            if (p.parent / "config.yaml").exists()}
+    if not runs:
+        others = sorted(p.name for p in sweep_dir.iterdir())[:8]
+        raise ValueError(f"{sweep_dir} holds no runs: no sweep.json and no subfolder with config.yaml and "
+                         f"metrics.jsonl (found: {', '.join(others) or 'nothing'})")
+    return runs, ["run"], problems
+
+
+def _spread(values: list, fmt: str) -> str:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "—"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
+def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
+    sweep_dir = Path(sweep_dir)
+    runs, keys, problems = find_runs(sweep_dir)
+    if not runs:
+        raise ValueError(f"{sweep_dir}: none of the sweep's trials has run yet ({len(problems)} listed)")
+    by = by or [k for k in keys if k not in SEED_KEYS] or keys
+    unknown = [k for k in by if k not in keys]
+    if unknown:
+        raise ValueError(f"report --by {unknown[0]!r}: not a grid key of this sweep ({', '.join(keys)})")
+    groups: dict[str, list[dict]] = {}
+    for name, values in runs.items():
+        label = ", ".join(f"{values.get(k)}" for k in by)
+        groups.setdefault(label, []).append(run_row(sweep_dir / name))
+    ref = next((g for g, rs in groups.items() if "none" in g.split(", ") and "mismatch.view" in by), None)
+    ref = ref or max(groups, key=lambda g: statistics.fmean(r["final"] for r in groups[g]))
+    start = statistics.fmean(r["initial"] for rs in groups.values() for r in rs)
+    threshold = start + 0.5 * (statistics.fmean(r["final"] for r in groups[ref]) - start)
+    lines = [f"# Sweep report: {sweep_dir.name}", "",
+             (f"{len(runs)} runs in {len(groups)} groups by {', '.join(by)}; mean [min, max] over each group's runs. "
+             f"Threshold {threshold:.3f} (halfway from the mean initial held-out reward to `{ref}`'s mean final); "
+             f"collapse: held-out reward below its start − {COLLAPSE_MARGIN} for good. Regenerate with "
+             f"`driftless report {sweep_dir}`."), "",
+             (f"| {' / '.join(by)} | runs | final eval | best eval | AUC | steps to threshold | collapse step | "
+              "mean KL(q‖p) | mean D2 | mean p99 p/q | stale rows dropped | masked fraction | wall s | tokens/s |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, rs in groups.items():
+        reached = [next((x for x, y in zip(*r["curve"]) if y >= threshold), None) for r in rs]
+        to_thr = _spread([x if x is not None else r["steps"] for x, r in zip(reached, rs)], ".0f")
+        never = sum(x is None for x in reached)
+        to_thr += f" ({never} never)" if never else ""
+        collapsed = [r["collapse"] for r in rs if r["collapse"] is not None]
+        col = f"{_spread(collapsed, '.0f')} ({len(collapsed)} of {len(rs)})" if collapsed else "—"
+        lines.append(
+            f"| {label} | {len(rs)} | {_spread([r['final'] for r in rs], '.3f')} | "
+            f"{_spread([r['best'] for r in rs], '.3f')} | {_spread([r['auc'] for r in rs], '.3f')} | {to_thr} | "
+            f"{col} | {_spread([r['kl'] for r in rs], '.2e')} | {_spread([r['d2'] for r in rs], '.2e')} | "
+            f"{_spread([r['p99'] for r in rs], '.3g')} | {_spread([r['stale'] for r in rs], '.0f')} | "
+            f"{_spread([r['masked'] for r in rs], '.3f')} | {_spread([r['wall'] for r in rs], '.0f')} | "
+            f"{_spread([r['tokens_per_s'] for r in rs], '.0f')} |")
+    if problems:
+        lines += ["", "Not in the table:", "", *[f"- {p}" for p in problems]]
+    plots = _plots(sweep_dir / "plots", groups)
+    lines += ["", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
+    out = sweep_dir / "report.md"
+    out.write_text("\n".join(lines))
+    return out
+
+
+def _band(ax, xs_list, ys_list, label):
+    n = min(len(y) for y in ys_list)
+    xs = [statistics.fmean(col) for col in zip(*(x[:n] for x in xs_list))]
+    cols = list(zip(*(y[:n] for y in ys_list)))
+    (line,) = ax.plot(xs, [statistics.fmean(c) for c in cols], label=label)
+    if len(ys_list) > 1:
+        ax.fill_between(xs, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.2)
+
+
+def _series(rows, key):
+    return [r.get(key, float("nan")) for r in rows]
+
+
+def _plots(out: Path, groups: dict[str, list[dict]]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    for label, rs in groups.items():
+        _band(ax[0], [r["curve"][0] for r in rs], [r["curve"][1] for r in rs], label)
+        walls = []
+        for r in rs:  # wall time at each evaluation: 0 at the start, then the step's wall time
+            by_step = {row["step"] + 1: row.get("wall_time", float("nan")) for row in r["rows"]}
+            walls.append([0.0] + [by_step.get(x, float("nan")) for x in r["curve"][0][1:]])
+        _band(ax[1], walls, [r["curve"][1] for r in rs], label)
+    for a, xl in zip(ax, ("step", "wall time (s)")):
+        a.set_xlabel(xl)
+        a.set_ylabel("held-out reward")
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "eval_reward.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    for name, keys in (("divergence", ("kl_k3", "renyi_d2")), ("eq1", ("eq1_movement_abs", "eq1_disagreement_abs"))):
+        fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+        for a, key in zip(ax, keys):
+            for label, rs in groups.items():
+                _band(a, [[row["step"] + 1 for row in r["rows"]] for r in rs], [_series(r["rows"], key) for r in rs],
+                      label)
+            a.set_xlabel("step")
+            a.set_ylabel(key)
+            a.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / f"{name}.png")
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,117 @@
+"""Sweeps on Ray Tune (driftless sweep) and the report across runs (driftless report)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from driftless.cli import main
+from driftless.experiments.sweep import load_experiment
+from driftless.experiments.sweep_report import collapse_step, write_sweep_report
+from driftless.train.loop import TIMING_KEYS
+
+SMALL = {"model.warm_start": False, "model.d_model": 32, "model.n_layer": 1, "model.n_head": 2,
+         "model.n_kv_head": 1, "model.d_ff": 64, "model.max_seq_len": 16, "task.name": "first-token",
+         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 2, "rollout.head_k": 4,
+         "train.eval_every": 2, "train.eval_problems": 16, "train.checkpoint_every": 2, "optim.name": "adamw",
+         "optim.lr": 1.0e-2, "train.steps": 6, "train.progress": False}
+
+
+def experiment(tmp_path, grid, **extra) -> Path:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"set": SMALL, "grid": grid, **extra}))
+    return path
+
+
+def lines(run_dir):
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
+            for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bad_experiments_are_refused_by_name_before_any_trial(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key objective.'nmae'"):
+        load_experiment(experiment(tmp_path, {"objective.nmae": ["pg"]}))
+    with pytest.raises(ValueError, match="trial 'objective.name=nope'.*unknown objective preset 'nope'"):
+        load_experiment(experiment(tmp_path, {"objective.name": ["pg", "nope"]}))
+    with pytest.raises(ValueError, match="the experiment has no grid"):
+        load_experiment(experiment(tmp_path, {}))
+    with pytest.raises(ValueError, match="grid.train.seed must be a non-empty list"):
+        load_experiment(experiment(tmp_path, {"train.seed": 3}))
+    assert main(["sweep", str(experiment(tmp_path, {"train.sed": [0]})), "--run-dir", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    (tmp_path / "notruns" / "a").mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds no runs.*found: a"):
+        write_sweep_report(tmp_path / "notruns")
+
+
+def test_collapse_step_is_the_first_evaluation_below_the_line_never_recovered():
+    xs = [0, 10, 20, 30, 40]
+    assert collapse_step(xs, [0.5, 0.3, 0.6, 0.2, 0.1]) == 30  # 10 recovered at 20
+    assert collapse_step(xs, [0.5, 0.46, 0.4, 0.3, 0.2]) == 20  # 0.46 is within the margin
+    assert collapse_step(xs, [0.5, 0.3, 0.2, 0.1, 0.45]) is None  # recovered to within the margin
+
+
+def test_a_killed_sweep_resumes_where_it_stopped_and_matches_an_uninterrupted_one(tmp_path):
+    exp = experiment(tmp_path, {"objective.name": ["pg", "sc"]},
+                     variants={"noisy": {"mismatch.view": "noise:0.05"}, "stale": {"rollout.lag": 1}})
+    assert main(["sweep", str(exp), "--run-dir", str(tmp_path / "a"), "--no-progress"]) == 0
+    trials = json.loads((tmp_path / "a" / "sweep.json").read_text())["trials"]
+    assert sorted(trials) == ["noisy,objective.name=pg", "noisy,objective.name=sc", "stale,objective.name=pg",
+                              "stale,objective.name=sc"]
+
+    # the same sweep, one trial at a time, its driver SIGKILLed once a trial is done and another is midway
+    cmd = [sys.executable, "-m", "driftless", "sweep", str(exp), "--run-dir", str(tmp_path / "b"), "--no-progress",
+           "--max-concurrent", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    b = tmp_path / "b"
+    while time.time() < deadline:
+        done = list(b.glob("*/done.json"))
+        midway = [p.parent.parent for p in b.glob("*/checkpoints/latest") if not (p.parent.parent / "done.json").exists()]
+        if done and midway:
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the sweep never had a finished and a midway trial at once")
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
+    proc.wait()
+    time.sleep(1)
+    finished = {p.parent.name for p in b.glob("*/done.json")}
+    assert main(["sweep", str(exp), "--run-dir", str(b), "--no-progress"]) == 0
+    for name in trials:
+        assert lines(b / name) == lines(tmp_path / "a" / name), name  # as if never interrupted
+        attempts = [json.loads(x) for x in (b / name / "attempts.jsonl").read_text().splitlines()]
+        if name in finished:  # not re-run
+            assert attempts[-1]["done_before"] is True
+        elif len(attempts) > 1:  # started before the kill: continued from its checkpoint
+            assert attempts[-1]["resumed_from"] is not None
+    assert any(len((b / n / "attempts.jsonl").read_text().splitlines()) > 1 and n not in finished for n in trials)
+
+    report = (b / "report.md").read_text()
+    assert "4 runs in 4 groups by variant, objective.name" in report
+    for row in ("| noisy, pg | 1 |", "| stale, sc | 1 |"):
+        assert row in report
+    assert (b / "plots" / "eq1.png").exists() and (b / "plots" / "eval_reward.png").exists()
+    capsys_free = write_sweep_report(b, by=["variant"]).read_text()
+    assert "| noisy | 2 |" in capsys_free and "| stale | 2 |" in capsys_free
+
+
+def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):
+    exp = experiment(tmp_path, {"objective.name": ["pg", "sc"]})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "objective.name=sc").write_text("a file where the trial's run directory goes")  # that trial crashes
+    assert main(["sweep", str(exp), "--run-dir", str(out), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "driftless: trial objective.name=sc failed: FileExistsError" in captured.err
+    assert (out / "objective.name=pg" / "done.json").exists()
+    assert "- objective.name=sc: no metrics.jsonl" in captured.out  # the report says which is missing
