@@ -24,6 +24,7 @@ the warm starts are computed once, before the trials.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -139,7 +140,7 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
     import torch
 
     from driftless.experiments.report import summarize, write_run_report
-    from driftless.train import dump_config, train
+    from driftless.train import train
     from driftless.train.checkpoint import latest_checkpoint
 
     torch.set_num_threads(threads)
@@ -149,13 +150,14 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
     if report is not None and "tune" not in cfg.train.loggers:
         cfg.train.loggers = [*cfg.train.loggers, "tune"]
     done, saved = run_dir / "done.json", run_dir / "config.yaml"
-    same = saved.exists() and saved.read_text() == dump_config(cfg)
-    latest = latest_checkpoint(run_dir) if same else None
-    attempt = {"done_before": same and done.exists(), "resumed_from": None if latest is None else latest.name,
+    same = saved.exists() and _computation(load_config(saved)) == _computation(cfg)
+    finished = same and done.exists()
+    latest = latest_checkpoint(run_dir) if same and not finished else None
+    attempt = {"done_before": finished, "resumed_from": None if latest is None else latest.name,
                "config_changed": saved.exists() and not same}
     with (run_dir / "attempts.jsonl").open("a") as f:
         f.write(json.dumps(attempt) + "\n")
-    if attempt["done_before"]:
+    if finished:
         summary = json.loads(done.read_text())
     else:
         done.unlink(missing_ok=True)
@@ -168,6 +170,19 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
     if report is not None:
         report({**_numeric(summary), "done": 1})
     return summary
+
+
+# settings that change where a run's outputs go or how they are shown, never its numbers
+_PRESENTATION = {"train": ("loggers", "progress", "run_dir"), "warm_start": ("cache_dir",)}
+
+
+def _computation(cfg: RunConfig) -> dict:
+    """The config as far as it decides a run's numbers (a finished trial of it is kept)."""
+    out = cfg.to_dict()
+    for section, keys in _PRESENTATION.items():
+        for key in keys:
+            out[section].pop(key)
+    return out
 
 
 def _tune_trainable(spec: dict):
@@ -247,7 +262,11 @@ def run_trials(base, trials: dict[Path, list[str]], *, max_concurrent: int | Non
             tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent or cpus),
             run_config=tune.RunConfig(name="tune", storage_path=str(storage), verbose=1 if progress else 0),
         )
-        results = tuner.fit()
+        if progress:
+            results = tuner.fit()
+        else:  # Tune prints its tables whatever its verbosity: keep the driver's stdout for the report
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                results = tuner.fit()
     finally:
         if started:
             ray.shutdown()
@@ -255,5 +274,6 @@ def run_trials(base, trials: dict[Path, list[str]], *, max_concurrent: int | Non
     for result in results:
         if result.error is not None:
             path = (result.config or {}).get("trial", "?")
-            failed[path] = f"{type(result.error).__name__}: {str(result.error).strip().splitlines()[-1][:500]}"
+            error = getattr(result.error, "cause", None) or result.error  # Ray wraps the trial's own exception
+            failed[path] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:500]}"
     return failed
