@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from driftless.experiments.demo import REPO_CONFIGS, train_many
-from driftless.experiments.report import eval_curve, summarize
+from driftless.experiments.report import eval_curve, spread, summarize
 
 # The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
 # configs/default.yaml; the mismatch is always off.
@@ -63,13 +63,9 @@ def run_calibration(run_dir="runs/calibration", *, settings=None, seeds: int = 3
         s = [summarize(run_dir / n / f"seed{k}") for k in range(seeds)]
         curves = [eval_curve(run_dir / n / f"seed{k}")[1] for k in range(seeds)]
         gains = [c[-1] - c[0] for c in curves]
-
-        def spread(vals, fmt=".3f"):
-            return (f"{statistics.fmean(vals):{fmt}} [{min(vals):{fmt}}, {max(vals):{fmt}}]" if len(vals) > 1
-                    else f"{vals[0]:{fmt}}")
         lines.append(f"| {n} | `{' '.join(SETTINGS[n]) or '(configs/default.yaml)'}` | "
-                     f"{spread([x['initial_eval'] for x in s])} | {spread([x['final_eval'] for x in s])} | "
-                     f"{spread([x['best_eval'] for x in s])} | {spread(gains, '+.3f')} | {min(gains):+.3f} | "
+                     f"{spread([x['initial_eval'] for x in s], '.3f')} | {spread([x['final_eval'] for x in s], '.3f')} | "
+                     f"{spread([x['best_eval'] for x in s], '.3f')} | {spread(gains, '+.3f')} | {min(gains):+.3f} | "
                      f"{statistics.fmean(x['mean_step_time'] for x in s):.2f} |")
     path = run_dir / "report.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ drives the prompts and the sampling; the warm start is shared). ``baseline`` is 
 mismatch view switched off: the learning curve every correction is read against. Runs are trials
 of the sweep engine (driftless.experiments.sweep, Ray Tune), ``workers`` at once with one BLAS
 thread each, so every run is bit-reproducible whatever the worker count; a finished run is kept
-and an interrupted one resumes when the demo is run again. Writes ``runs/demo/report.md`` (summary table: mean and range over seeds of
-final / best held-out reward, area under the curve, steps to a threshold) and
+and an interrupted one resumes when the demo is run again. Writes ``runs/demo/report.md``
+(summary table: mean and range over seeds of final / best held-out reward, area under the
+curve, steps to a threshold; the reading, computed from the runs) and
 ``runs/demo/eval_reward.png`` (held-out reward per step per method, seeds' range shaded).
 """
 
@@ -21,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics, summarize
+from driftless.experiments.report import eval_curve, read_metrics, spread, summarize
 from driftless.experiments.sweep import run_trials
 from driftless.train import load_config
 
@@ -85,13 +86,6 @@ def train_many(config_path, jobs: dict[Path, list[str]], *, workers: int | None 
         raise RuntimeError("runs failed: " + "; ".join(f"{p}: {e}" for p, e in failed.items()))
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return format(mean, fmt)
-    return f"{format(mean, fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
-
-
 def _threshold(curves: dict) -> float:
     """Halfway from the mean initial eval to the baseline's (else the first method's) mean final eval."""
     ref = curves.get("baseline") or next(iter(curves.values()))
@@ -100,10 +94,10 @@ def _threshold(curves: dict) -> float:
     return start + 0.5 * (end - start)
 
 
-def _count(pairs, holds) -> tuple[int, int, float, float]:
-    """How many (a, b) pairs satisfy ``holds``; the mean and worst of the margin a − b."""
+def _count(pairs) -> tuple[int, int, float, float]:
+    """How many (a, b) pairs have a > b; the mean and worst of the margin a − b."""
     margins = [a - b for a, b in pairs]
-    return sum(holds(a, b) for a, b in pairs), len(margins), statistics.fmean(margins), min(margins)
+    return sum(m > 0 for m in margins), len(margins), statistics.fmean(margins), min(margins)
 
 
 def _claim(text: str, k: int, n: int, mean: float, worst: float, fmt: str = "+.3f") -> str:
@@ -119,25 +113,24 @@ def reading(summaries: dict[str, list[dict]]) -> list[str]:
     claims = []
     finals = {m: [x["final_eval"] for x in s] for m, s in summaries.items()}
     if "baseline" in summaries:
-        k, n, mean, worst = _count([(x["final_eval"], x["initial_eval"]) for x in summaries["baseline"]],
-                                   lambda a, b: a > b)
+        k, n, mean, worst = _count([(x["final_eval"], x["initial_eval"]) for x in summaries["baseline"]])
         claims.append(_claim("the baseline (no mismatch) ends above its start", k, n, mean, worst))
     for m, runs in summaries.items():
         if m == "baseline":
             continue
-        k, n, mean, worst = _count([(x["initial_eval"], x["final_eval"]) for x in runs], lambda a, b: a > b)
+        k, n, mean, worst = _count([(x["initial_eval"], x["final_eval"]) for x in runs])
         claims.append(_claim(f"{m} ends below its start", k, n, mean, worst))
         if "baseline" in summaries:
-            k, n, mean, worst = _count(list(zip(finals["baseline"], finals[m])), lambda a, b: a > b)
+            k, n, mean, worst = _count(list(zip(finals["baseline"], finals[m])))
             claims.append(_claim(f"{m} ends below the baseline", k, n, mean, worst))
     if "pg" in summaries:
         for m, runs in summaries.items():
             if m in ("baseline", "pg"):
                 continue
-            k, n, mean, worst = _count(list(zip(finals[m], finals["pg"])), lambda a, b: a > b)
+            k, n, mean, worst = _count(list(zip(finals[m], finals["pg"])))
             claims.append(_claim(f"{m} ends above pg", k, n, mean, worst))
             kls = [(x["mean_kl_k3"], y["mean_kl_k3"]) for x, y in zip(summaries["pg"], runs)]
-            k, n, mean, worst = _count(kls, lambda a, b: a > b)
+            k, n, mean, worst = _count(kls)
             claims.append(_claim(f"{m}'s mean KL(q‖p) is below pg's", k, n, mean, worst, "+.2e"))
     return claims
 
@@ -197,9 +190,9 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
         summaries[method] = s
 
         def col(key, fmt, s=s):
-            return _spread([x[key] for x in s], fmt)
+            return spread([x[key] for x in s], fmt)
         reached = [x["to_threshold"] for x in s]
-        to_thr = _spread([r if r is not None else x["steps"] for r, x in zip(reached, s)], ".0f")
+        to_thr = spread([r if r is not None else x["steps"] for r, x in zip(reached, s)], ".0f")
         to_thr += "" if all(r is not None for r in reached) else f" ({sum(r is None for r in reached)} never)"
         lines.append(f"| {method} | {col('initial_eval', '.3f')} | {col('final_eval', '.3f')} | "
                      f"{col('best_eval', '.3f')} | {col('auc', '.3f')} | {to_thr} | {col('final_train_reward', '.3f')} | "

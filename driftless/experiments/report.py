@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+
+def spread(values, fmt: str) -> str:
+    """``mean [min, max]`` of the values (NaN and None left out; the mean alone for one; "—" for none)."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "—"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -18,7 +18,6 @@ Definitions (docs/diagnostics.md):
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics
+from driftless.experiments.report import eval_curve, read_metrics, spread
 from driftless.experiments.sweep import SEED_KEYS
 
 COLLAPSE_MARGIN = 0.05
@@ -88,16 +87,6 @@ def find_runs(sweep_dir: Path) -> tuple[dict[str, dict], list[str], list[str]]:
     return runs, ["run"], problems
 
 
-def _spread(values: list, fmt: str) -> str:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    if not values:
-        return "—"
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return format(mean, fmt)
-    return f"{format(mean, fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
-
-
 def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
     sweep_dir = Path(sweep_dir)
     runs, keys, problems = find_runs(sweep_dir)
@@ -125,18 +114,18 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, rs in groups.items():
         reached = [next((x for x, y in zip(*r["curve"]) if y >= threshold), None) for r in rs]
-        to_thr = _spread([x if x is not None else r["steps"] for x, r in zip(reached, rs)], ".0f")
+        to_thr = spread([x if x is not None else r["steps"] for x, r in zip(reached, rs)], ".0f")
         never = sum(x is None for x in reached)
         to_thr += f" ({never} never)" if never else ""
         collapsed = [r["collapse"] for r in rs if r["collapse"] is not None]
-        col = f"{_spread(collapsed, '.0f')} ({len(collapsed)} of {len(rs)})" if collapsed else "—"
+        col = f"{spread(collapsed, '.0f')} ({len(collapsed)} of {len(rs)})" if collapsed else "—"
         lines.append(
-            f"| {label} | {len(rs)} | {_spread([r['final'] for r in rs], '.3f')} | "
-            f"{_spread([r['best'] for r in rs], '.3f')} | {_spread([r['auc'] for r in rs], '.3f')} | {to_thr} | "
-            f"{col} | {_spread([r['kl'] for r in rs], '.2e')} | {_spread([r['d2'] for r in rs], '.2e')} | "
-            f"{_spread([r['p99'] for r in rs], '.3g')} | {_spread([r['stale'] for r in rs], '.0f')} | "
-            f"{_spread([r['masked'] for r in rs], '.3f')} | {_spread([r['wall'] for r in rs], '.0f')} | "
-            f"{_spread([r['tokens_per_s'] for r in rs], '.0f')} |")
+            f"| {label} | {len(rs)} | {spread([r['final'] for r in rs], '.3f')} | "
+            f"{spread([r['best'] for r in rs], '.3f')} | {spread([r['auc'] for r in rs], '.3f')} | {to_thr} | "
+            f"{col} | {spread([r['kl'] for r in rs], '.2e')} | {spread([r['d2'] for r in rs], '.2e')} | "
+            f"{spread([r['p99'] for r in rs], '.3g')} | {spread([r['stale'] for r in rs], '.0f')} | "
+            f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
+            f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
     if problems:
         lines += ["", "Not in the table:", "", *[f"- {p}" for p in problems]]
     plots = _plots(sweep_dir / "plots", groups)
