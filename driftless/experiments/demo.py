@@ -157,9 +157,15 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
     ax[1].set_xlabel("step")
     ax[1].set_ylabel("KL(q‖p), k3, sampled tokens (mean over seeds)")
     ax[1].legend()
-    n_seeds = len(next(iter(runs.values())))
+    n_runs = len(next(iter(runs.values())))
+    if pairs is None:
+        runs_text, command = f"{n_runs} RL seed(s)", "make demo"
+    else:
+        n_starts = len({w for w, _ in pairs})
+        runs_text = f"{n_starts} warm starts × {n_runs // n_starts} RL seeds"
+        command = f"driftless demo --warm-start-seeds {n_starts} --seeds {n_runs // n_starts}"
     fig.suptitle(f"baseline: no mismatch; others: sampler view {config.mismatch.view!r}, "
-                 f"staleness {config.mismatch.staleness}; {n_seeds} seed(s)")
+                 f"staleness {config.mismatch.staleness}; {runs_text}")
     fig.tight_layout()
     plot = run_dir / "eval_reward.png"
     fig.savefig(plot, dpi=100)
@@ -169,8 +175,8 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
                f"{config.rollout.group_size} samples, rewards `{config.objective.reward_mode}`, advantage "
                f"`{config.objective.advantage}`, optimizer {config.optim.name} lr {config.optim.lr}; baseline without "
                f"mismatch, the others with sampler view `{config.mismatch.view}`, staleness "
-               f"{config.mismatch.staleness}; {n_seeds} RL seed(s): mean [min, max] over seeds. "
-               "Regenerate with `make demo`.")
+               f"{config.mismatch.staleness}, {config.optim.schedule} learning rate; {runs_text}: mean [min, max] "
+               f"over runs. Regenerate with `{command}`.")
     curves = {m: [eval_curve(p) for p in paths] for m, paths in runs.items()}
     threshold = _threshold(curves)
     summaries = {}
