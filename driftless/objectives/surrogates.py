@@ -137,7 +137,7 @@ DIVERGENCES = ("tv", "kl")
 
 @dataclass(frozen=True)
 class DivergenceMask:
-    """DPPO's trust region (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"):
+    """DPPO's trust region ([dppo], Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"):
     loss = −w · m · A · log p, with m = 0 on tokens whose binary divergence from the sampler has left the
     region in the direction the advantage pushes, 1 elsewhere; w is the (detached, truncated) weight.
 
