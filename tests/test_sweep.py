@@ -101,8 +101,8 @@ def test_a_killed_sweep_resumes_where_it_stopped_and_matches_an_uninterrupted_on
     for row in ("| noisy, pg | 1 |", "| stale, sc | 1 |"):
         assert row in report
     assert (b / "plots" / "eq1.png").exists() and (b / "plots" / "eval_reward.png").exists()
-    capsys_free = write_sweep_report(b, by=["variant"]).read_text()
-    assert "| noisy | 2 |" in capsys_free and "| stale | 2 |" in capsys_free
+    by_variant = write_sweep_report(b, by=["variant"]).read_text()
+    assert "| noisy | 2 |" in by_variant and "| stale | 2 |" in by_variant
 
 
 def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):

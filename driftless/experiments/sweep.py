@@ -218,9 +218,9 @@ def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, pr
 
 
 def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = None, progress: bool = True) -> dict:
+    """Every trial of ``exp`` (checked by ``load_experiment``, or call ``exp.check()`` first) on ``run_trials``."""
     root = Path(run_dir).resolve()
     trials = exp.trials()
-    exp.check()
     root.mkdir(parents=True, exist_ok=True)
     (root / "sweep.json").write_text(json.dumps({
         "experiment": str(exp.source), "base": str(exp.base) if exp.base else None, "set": exp.set,
