@@ -20,7 +20,7 @@ from driftless.train.loop import TIMING_KEYS, Run
 SMALL = ["model.warm_start=false", "model.d_model=64", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=1",
          "model.d_ff=128", "model.max_seq_len=16", "task.name=first-token", "rollout.prompts_per_step=8",
          "rollout.group_size=8", "rollout.max_new_tokens=2", "rollout.head_k=8", "train.eval_every=1000",
-         "train.eval_problems=32", "train.checkpoint_every=1000", "optim.name=adamw", "optim.lr=1e-2",
+         "train.eval_problems=32", "train.checkpoint_every=1000", "optim.name=adamw", "optim.schedule=constant", "optim.lr=1e-2",
          "train.progress=false"]
 
 

@@ -16,7 +16,7 @@ from driftless.train.learner import Learner, make_optimizer
 TINY = ["task.name=first-token", "model.d_model=64", "model.n_head=1", "model.n_kv_head=1", "model.d_ff=128",
         "model.n_layer=1", "model.max_seq_len=16", "model.warm_start=false", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.max_new_tokens=3", "rollout.head_k=8", "train.eval_problems=8",
-        "train.progress=false", "optim.name=adamw", "optim.lr=1e-2"]
+        "train.progress=false", "optim.name=adamw", "optim.schedule=constant", "optim.lr=1e-2"]
 
 
 def batch_and_policy(tmp_path, *extra):

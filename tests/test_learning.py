@@ -17,7 +17,7 @@ from driftless.train.loop import Run
 SMALL_RUN = ["model.warm_start=false", "model.d_model=64", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=1",
              "model.d_ff=128", "model.max_seq_len=16", "task.name=first-token", "rollout.prompts_per_step=8",
              "rollout.group_size=8", "rollout.max_new_tokens=2", "train.steps=30", "train.eval_every=30",
-             "train.eval_problems=64", "train.checkpoint_every=1000", "optim.name=adamw", "optim.lr=1e-2",
+             "train.eval_problems=64", "train.checkpoint_every=1000", "optim.name=adamw", "optim.schedule=constant", "optim.lr=1e-2",
              "objective.reward_mode=±1", "objective.advantage=group-mean"]
 
 

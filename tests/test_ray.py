@@ -10,13 +10,13 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from driftless.train import load_config
-from driftless.train.ray_loop import RayRun
+from driftless.train.loop import Run
 
 SMALL = ["model.warm_start=false", "model.d_model=64", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=1",
          "model.d_ff=128", "model.max_seq_len=16", "task.name=first-token", "rollout.prompts_per_step=8",
          "rollout.group_size=8", "rollout.max_new_tokens=2", "train.eval_every=1000", "train.eval_problems=32",
-         "train.checkpoint_every=1000", "optim.name=adamw", "optim.lr=1e-2", "train.progress=false",
-         "rollout.mode=async", "rollout.runtime=ray", "rollout.ray_num_cpus=2", "objective.name=tis"]
+         "train.checkpoint_every=1000", "optim.name=adamw", "optim.schedule=constant", "optim.lr=1e-2", "train.progress=false",
+         "rollout.runtime=ray", "rollout.ray_num_cpus=2", "objective.name=tis"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,15 +27,15 @@ def ray_session():
 
 
 def test_a_short_ray_run_learns_within_the_bound_with_bounded_references(tmp_path):
-    run = RayRun(load_config(None, [*SMALL, "train.steps=24", "train.eval_every=24", "rollout.staleness_bound=1"]),
+    run = Run(load_config(None, [*SMALL, "train.steps=24", "train.eval_every=24", "rollout.staleness_bound=1"]),
                  tmp_path)
     sizes = []
-    publish = run._publish
+    publish = run.source.published
 
     def spy():
         publish()
-        sizes.append(len(run.refs))
-    run._publish = spy
+        sizes.append(len(run.source.refs))
+    run.source.published = spy
     run.run()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(24))
@@ -45,37 +45,37 @@ def test_a_short_ray_run_learns_within_the_bound_with_bounded_references(tmp_pat
 
 
 def test_a_killed_rollout_actor_is_replaced_and_no_batch_is_lost_or_repeated(tmp_path):
-    run = RayRun(load_config(None, [*SMALL, "train.steps=10", "rollout.staleness_bound=2"]), tmp_path)
-    publish, killed = run._publish, []
+    run = Run(load_config(None, [*SMALL, "train.steps=10", "rollout.staleness_bound=2"]), tmp_path)
+    publish, killed = run.source.published, []
 
     def kill_once():
         if run.learner.version == 3 and not killed:
-            killed.append(ray.get(run.actor.pid.remote(), timeout=60))
-            ray.kill(run.actor)  # in-flight batches die with it
+            killed.append(ray.get(run.source.actor.pid.remote(), timeout=60))
+            ray.kill(run.source.actor)  # in-flight batches die with it
         publish()
-    run._publish = kill_once
+    run.source.published = kill_once
     run.run()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert killed and lines[-1]["actor_restarts"] == 1
+    assert killed and lines[-1]["worker_restarts"] == 1
     assert [r["step"] for r in lines] == list(range(10))  # every step once, in order
     assert max(r["staleness_max"] for r in lines) <= 2
     assert lines[-1]["version"] == 10
 
 
 def test_two_rollout_actors_share_the_batches_and_one_can_die(tmp_path):
-    run = RayRun(load_config(None, [*SMALL, "train.steps=10", "rollout.staleness_bound=2", "rollout.workers=2"]),
+    run = Run(load_config(None, [*SMALL, "train.steps=10", "rollout.staleness_bound=2", "rollout.workers=2"]),
                  tmp_path)
-    publish, killed = run._publish, []
+    publish, killed = run.source.published, []
 
     def kill_second_once():
         if run.learner.version == 4 and not killed:
             killed.append(True)
-            ray.kill(run.actors[1])
+            ray.kill(run.source.actors[1])
         publish()
-    run._publish = kill_second_once
+    run.source.published = kill_second_once
     run.run()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert killed and lines[-1]["actor_restarts"] == 1
+    assert killed and lines[-1]["worker_restarts"] == 1
     assert [r["step"] for r in lines] == list(range(10)) and lines[-1]["version"] == 10
     assert max(r["staleness_max"] for r in lines) <= 2
 
@@ -85,7 +85,8 @@ def _learning_lines(path):
     from driftless.train.loop import TIMING_KEYS
 
     lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("_s")} for r in lines]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("_s") and k != "worker_pid"}
+            for r in lines]
 
 
 def test_the_learner_as_a_ray_actor_trains_exactly_as_in_the_driver(tmp_path):
@@ -97,10 +98,10 @@ def test_the_learner_as_a_ray_actor_trains_exactly_as_in_the_driver(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the learner actor runs one thread: the same kernels in both runs
     try:
-        RayRun(load_config(None, common), tmp_path / "local").run()
+        Run(load_config(None, common), tmp_path / "local").run()
     finally:
         torch.set_num_threads(threads)
-    remote = RayRun(load_config(None, [*common, "train.learner_runtime=ray"]), tmp_path / "remote")
+    remote = Run(load_config(None, [*common, "train.learner_runtime=ray"]), tmp_path / "remote")
     remote.run()
     local_lines, remote_lines = _learning_lines(tmp_path / "local"), _learning_lines(tmp_path / "remote")
     assert [r["step"] for r in remote_lines] == list(range(6))
@@ -110,13 +111,13 @@ def test_the_learner_as_a_ray_actor_trains_exactly_as_in_the_driver(tmp_path):
 
 def test_a_learner_actor_resumes_from_a_checkpoint_and_too_few_cpus_are_refused(tmp_path):
     cfg = [*SMALL, "train.learner_runtime=ray", "rollout.staleness_bound=1", "train.checkpoint_every=3"]
-    RayRun(load_config(None, [*cfg, "train.steps=3"]), tmp_path).run()
-    RayRun(load_config(None, [*cfg, "train.steps=6"]), tmp_path).run(resume=True)
+    Run(load_config(None, [*cfg, "train.steps=3"]), tmp_path).run()
+    Run(load_config(None, [*cfg, "train.steps=6"]), tmp_path).run(resume=True)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6)) and lines[-1]["version"] == 6
     assert max(r["staleness_max"] for r in lines) <= 1
     # the learner actor dies mid-run: a clear error; the checkpoint before it resumes the run
-    dying = RayRun(load_config(None, [*cfg, "train.steps=9"]), tmp_path)
+    dying = Run(load_config(None, [*cfg, "train.steps=9"]), tmp_path)
     update = dying.learner.update
 
     def kill_at_version_7(batch):
@@ -126,12 +127,12 @@ def test_a_learner_actor_resumes_from_a_checkpoint_and_too_few_cpus_are_refused(
     dying.learner.update = kill_at_version_7
     with pytest.raises(RuntimeError, match="the learner actor died during an update; resume the run"):
         dying.run(resume=True)
-    RayRun(load_config(None, [*cfg, "train.steps=9"]), tmp_path).run(resume=True)
+    Run(load_config(None, [*cfg, "train.steps=9"]), tmp_path).run(resume=True)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(9)) and lines[-1]["version"] == 9
     with pytest.raises(ValueError, match=r"has 2 CPUs; rollout.workers=2 rollout actors and a learner actor need 3"):
-        RayRun(load_config(None, [*cfg, "train.steps=3", "rollout.workers=2"]), tmp_path / "big")
-    with pytest.raises(ValueError, match="train.learner_runtime=ray needs rollout.mode=async and rollout.runtime=ray"):
+        Run(load_config(None, [*cfg, "train.steps=3", "rollout.workers=2"]), tmp_path / "big")
+    with pytest.raises(ValueError, match="train.learner_runtime=ray needs rollout.runtime=ray"):
         load_config(None, ["train.learner_runtime=ray"])
 
 
@@ -142,15 +143,15 @@ def test_the_object_store_stays_flat_over_many_updates(tmp_path):
     has settled (a leak never settles: it would hold one snapshot per update)."""
     import time
 
-    from driftless.train.ray_loop import object_store_usage
+    from driftless.train.sources.ray import object_store_usage
 
     steps, bound = 120, 8  # η + 2 = 3 kept references, plus the arguments of batches in flight
-    run = RayRun(load_config(None, [
+    run = Run(load_config(None, [
         "model.warm_start=false", "task.name=first-token", "rollout.prompts_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=1", f"train.steps={steps}", f"train.eval_every={steps}", "train.eval_problems=4",
-        f"train.checkpoint_every={steps}", "train.progress=false", "rollout.mode=async", "rollout.runtime=ray",
+        f"train.checkpoint_every={steps}", "train.progress=false", "rollout.runtime=ray",
         "rollout.ray_num_cpus=2", "rollout.staleness_bound=1", "train.learner_runtime=ray"]), tmp_path)
-    publish, settled = run._publish, []
+    publish, settled = run.source.published, []
 
     def settle(limit: int, seconds: float = 10.0) -> int:
         deadline = time.time() + seconds
@@ -162,7 +163,7 @@ def test_the_object_store_stays_flat_over_many_updates(tmp_path):
         publish()
         if run.learner.version % 20 == 0:
             settled.append(settle(bound))
-    run._publish = measured
+    run.source.published = measured
     run.run()
     assert len(settled) == steps // 20
     assert max(settled) <= bound, settled

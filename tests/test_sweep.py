@@ -21,7 +21,7 @@ from driftless.train.loop import TIMING_KEYS
 SMALL = {"model.warm_start": False, "model.d_model": 32, "model.n_layer": 1, "model.n_head": 2,
          "model.n_kv_head": 1, "model.d_ff": 64, "model.max_seq_len": 16, "task.name": "first-token",
          "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 2, "rollout.head_k": 4,
-         "train.eval_every": 2, "train.eval_problems": 16, "train.checkpoint_every": 2, "optim.name": "adamw",
+         "train.eval_every": 2, "train.eval_problems": 16, "train.checkpoint_every": 2, "optim.name": "adamw", "optim.schedule": "constant",
          "optim.lr": 1.0e-2, "train.steps": 6, "train.progress": False}
 
 

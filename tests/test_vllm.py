@@ -220,7 +220,7 @@ def test_an_fp8_kv_cache_the_cpu_cannot_run_is_refused_before_the_engine_starts(
 
 SMALL_HF_RUN = ["model.kind=hf", "rollout.engine=vllm", "model.max_seq_len=16", "task.name=first-token",
                 "rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=2", "rollout.head_k=4",
-                "train.eval_every=10", "train.eval_problems=64", "optim.name=adamw", "optim.lr=1e-2",
+                "train.eval_every=10", "train.eval_problems=64", "optim.name=adamw", "optim.schedule=constant", "optim.lr=1e-2",
                 "objective.name=tis", "objective.reward_mode=±1", "objective.advantage=group-mean"]
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from driftless.train import load_config
+from driftless.train import build, load_config
 from driftless.train.config import RunConfig
 
 SEED_KEYS = ("train.seed", "warm_start.seed")
@@ -68,7 +68,7 @@ class Experiment:
         return out
 
     def config(self, trial: Trial) -> RunConfig:
-        return load_config(self.base, trial.overrides)
+        return build.check(load_config(self.base, trial.overrides))
 
     def check(self) -> list[RunConfig]:
         """Every trial's config: every key exists and every value is accepted, before any trial runs."""
@@ -150,7 +150,7 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
     if report is not None and "tune" not in cfg.train.loggers:
         cfg.train.loggers = [*cfg.train.loggers, "tune"]
     done, saved = run_dir / "done.json", run_dir / "config.yaml"
-    same = saved.exists() and _computation(load_config(saved)) == _computation(cfg)
+    same = saved.exists() and _saved_computation(saved) == _computation(cfg)
     finished = same and done.exists()
     latest = latest_checkpoint(run_dir) if same and not finished else None
     attempt = {"done_before": finished, "resumed_from": None if latest is None else latest.name,
@@ -185,6 +185,14 @@ def _computation(cfg: RunConfig) -> dict:
     return out
 
 
+def _saved_computation(path: Path) -> dict | None:
+    """The computation of a run directory's saved config; None if it no longer loads (an older schema)."""
+    try:
+        return _computation(load_config(path))
+    except ValueError:
+        return None
+
+
 def _tune_trainable(spec: dict):
     def trainable(config):
         from ray import tune
@@ -197,9 +205,6 @@ def _tune_trainable(spec: dict):
 # ---------------------------------------------------------------- the sweep (the driver)
 def prepare_warm_starts(configs: list[RunConfig], progress: bool) -> None:
     """Each distinct warm start once, here, before any trial (the trials only read the cache)."""
-    from driftless.tasks import CharTokenizer
-    from driftless.train.factory import initial_state
-
     seen = set()
     for cfg in configs:
         if cfg.model.kind != "tiny" or not cfg.model.warm_start:
@@ -208,7 +213,7 @@ def prepare_warm_starts(configs: list[RunConfig], progress: bool) -> None:
                          sort_keys=True)
         if key not in seen:
             seen.add(key)
-            initial_state(cfg, CharTokenizer(), progress)
+            build.initial_state(cfg, progress=progress)
 
 
 def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, progress: bool = True) -> dict:

@@ -77,6 +77,13 @@ class RolloutWorker:
         self.sampler.load(snapshot)
         self.snapshot = snapshot
 
+    def sync_to(self, snapshot: Snapshot) -> bool:
+        """Load ``snapshot`` unless its version is the one held; whether it loaded."""
+        if self.snapshot is not None and self.snapshot.version == snapshot.version:
+            return False
+        self.load(snapshot)
+        return True
+
     def produce(self, step: int, weights=None) -> tuple[RolloutBatch, dict]:
         """The batch of ``step`` (rewards and advantages filled) and the worker's metrics.
 

@@ -1,4 +1,4 @@
-"""The learner, the synchronous driver, warm start, config, checkpoints and metric sinks."""
+"""The training loop, its rollout sources, the learner, warm start, config, checkpoints and metric sinks."""
 
 from driftless.train.config import RunConfig, apply_overrides, dump_config, load_config
 from driftless.train.learner import Learner

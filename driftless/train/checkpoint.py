@@ -1,32 +1,49 @@
 """The on-disk layout of a run's checkpoints, in one place.
 
     RUN/checkpoints/step_000040/model.safetensors    trainer weights
-                               sampler.safetensors  the snapshot the rollout worker last loaded (pre-view)
+                               sampler.safetensors  the snapshot the rollout workers last got (pre-view)
                                optim.pt             optimizer state
-                               state.json           counters: step, version, sampler_version, ...
+                               state.json           counters (step, version, ...) and every file's SHA-256
                                snapshot_000038.safetensors  weights published after step 38 (a lagged sampler's)
                                version_000012.safetensors   the learner's weights at version 12 (Eq. 1's p_v)
     RUN/checkpoints/latest                          the name of the newest complete checkpoint
 
 A checkpoint is written to a hidden temporary folder and renamed into place, then ``latest`` is
-replaced atomically: a crash at any moment leaves the previous checkpoint intact.
+replaced atomically: a crash at any moment leaves the previous checkpoint intact. A checkpoint
+damaged afterwards (a truncated or flipped file, a lost one) is named, never crashed on:
+``verify`` checks every file against the SHA-256 recorded in ``state.json`` and
+``newest_intact`` walks back to the newest checkpoint that passes, saying which it skipped and why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose files do not match what was written."""
+
+
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, optimizer: dict, state: dict,
@@ -46,7 +63,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, opt
         save_file({k: v.contiguous() for k, v in snap.items()}, str(tmp / f"snapshot_{i:06d}.safetensors"))
     for v, weights in (versions or {}).items():
         save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp / f"version_{v:06d}.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+    files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state, "files": files}))
     final = root / name
     if final.exists():
         shutil.rmtree(final)
@@ -55,16 +73,62 @@ def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, opt
     return final
 
 
+def verify(path: Path) -> dict:
+    """The checkpoint's state, once every file matches its recorded SHA-256; DamagedCheckpoint otherwise."""
+    path = Path(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{path}: state.json is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DamagedCheckpoint(f"{path}: state.json is not readable JSON ({err})") from None
+    files = state.get("files")
+    if not isinstance(files, dict):  # written before checksums were kept: loaded as it is
+        warnings.warn(f"{path} records no checksums (an older checkpoint): loaded without verification",
+                      stacklevel=2)
+        return state
+    for name, digest in files.items():
+        f = path / name
+        if not f.exists():
+            raise DamagedCheckpoint(f"{path}: {name} is missing")
+        if _sha256(f) != digest:
+            raise DamagedCheckpoint(f"{path}: {name} does not match its recorded SHA-256 ({f.stat().st_size} bytes "
+                                    "now): truncated or altered after it was written")
+    return state
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Every complete checkpoint folder of a run, newest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")), reverse=True)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / "checkpoints" / "latest"
-    return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
+    if pointer.exists():
+        return pointer.parent / pointer.read_text().strip()
+    found = checkpoints(run_dir)
+    return found[0] if found else None
+
+
+def newest_intact(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose files all match their checksums, warning about each one skipped."""
+    for path in checkpoints(run_dir):
+        try:
+            verify(path)
+            return path
+        except DamagedCheckpoint as err:
+            warnings.warn(f"skipping damaged checkpoint {path.name}: {err}", stacklevel=2)
+    return None
 
 
 def load_checkpoint(path: Path, *, weights_only: bool = False) -> dict:
-    """``{"model", "sampler", "optimizer", "state"}`` (only ``model`` and ``state`` with ``weights_only``)."""
+    """``{"model", "sampler", "optimizer", "state", ...}`` (only ``model`` and ``state`` with ``weights_only``),
+    after ``verify``: a damaged checkpoint raises DamagedCheckpoint naming the file."""
     path = Path(path)
-    out = {"model": load_file(str(path / "model.safetensors")),
-           "state": json.loads((path / "state.json").read_text())}
+    out = {"state": verify(path), "model": load_file(str(path / "model.safetensors"))}
     if not weights_only:
         out["sampler"] = load_file(str(path / "sampler.safetensors"))
         out["optimizer"] = torch.load(path / "optim.pt", weights_only=True)

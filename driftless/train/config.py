@@ -1,6 +1,15 @@
 """Run configuration: dataclasses loaded from YAML, with ``a.b=c`` overrides.
 
-Unknown keys and bad values are refused with a ValueError that names the key.
+The schema in one place, with no domain imports: every field's type (``Literal`` choices
+included) and range is checked by one function, ``_check_fields``, from its annotation and its
+``field(metadata=...)``; what depends on two settings (which runtime accepts which setting) is
+checked in ``RunConfig.__post_init__``. What needs the domain to check (an objective's
+parameters, a mismatch view's spec, a task's knobs) is checked where it is built,
+``driftless.train.build.check``, before anything runs. Unknown keys and bad values are refused
+with a ValueError that names the key and the value.
+
+The dataclass defaults are the learning reference: ``configs/default.yaml`` writes them out
+(a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -10,286 +19,33 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
-from driftless.objectives import ESTIMATORS, REWARD_MODES, make
-from driftless.ops.numerics import TRAINER_NUMERICS
-from driftless.train.warmstart import WarmStartConfig
+Runtime = Literal["sync", "thread", "process", "ray"]
+ASYNC_RUNTIMES = ("thread", "process", "ray")
+RefreshPolicy = Literal["pin", "recompute", "retain"]
+Engine = Literal["driftless", "vllm"]
+TaskName = Literal["countdown", "arithmetic", "first-token"]
+RewardMode = Literal["+1/0", "±1", "±1-centered"]
+Estimator = Literal["group-mean", "grpo", "leave-one-out", "none"]
+TrainerNumerics = Literal["fp", "fwd-fq", "fwd-bwd-fq", "native"]
+Schedule = Literal["constant", "linear", "cosine"]
+LoggerName = Literal["jsonl", "tensorboard", "wandb", "tune"]
 
 
-def _positive(section: str, obj, *names):
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{section}.{name} must be a positive integer, got {value!r}")
+def _at_least(default, low, **kw):
+    return field(default=default, metadata={"min": low, **kw})
 
 
-@dataclass
-class ModelSection:
-    kind: str = "tiny"  # tiny | hf
-    execution: str = "fast"  # fast | aligned (tiny only)
-    d_model: int = 192
-    n_layer: int = 4
-    n_head: int = 3
-    n_kv_head: int = 1
-    d_ff: int = 512
-    max_seq_len: int = 64
-    hf_path: str | None = None  # a local transformers directory; None = a tiny random Qwen3 config
-    warm_start: bool = True  # tiny only: start from the cached supervised warm start
-
-    def __post_init__(self):
-        if self.kind not in ("tiny", "hf"):
-            raise ValueError(f"model.kind must be 'tiny' or 'hf', got {self.kind!r}")
-        if self.execution not in ("fast", "aligned"):
-            raise ValueError(f"model.execution must be 'fast' or 'aligned', got {self.execution!r}")
-        if self.kind == "hf" and self.execution == "aligned":
-            raise ValueError("model.execution 'aligned' needs model.kind 'tiny'")
-        _positive("model", self, "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len")
+def _positive(default):
+    return _at_least(default, 1)
 
 
-TASKS = ("countdown", "arithmetic", "first-token")
-
-
-@dataclass
-class TaskSection:
-    name: str = "countdown"  # countdown | arithmetic | first-token
-    n_numbers: int = 3
-    min_number: int = 1
-    max_number: int = 9
-    max_target: int = 100
-    ops: str = "+-*/"
-    max_operand: int = 20  # arithmetic only
-    target: str = "7"  # first-token only: the rewarded first character
-
-    def __post_init__(self):
-        if self.name not in TASKS:
-            raise ValueError(f"task.name must be one of {', '.join(TASKS)}, got {self.name!r}")
-        self.build()  # validates the task's own knobs
-
-    def build(self):
-        from driftless.tasks import Arithmetic, Countdown, CountdownConfig, FirstToken
-
-        if self.name == "arithmetic":
-            return Arithmetic(self.max_operand)
-        if self.name == "first-token":
-            return FirstToken(self.target)
-        return Countdown(CountdownConfig(self.n_numbers, self.min_number, self.max_number, self.max_target, self.ops))
-
-
-@dataclass
-class RolloutSection:
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    head_k: int = 32
-    mode: str = "sync"  # sync | async (a rollout worker thread; staleness bounded by `staleness_bound`)
-    staleness_bound: int = 1  # async: η, the most versions a consumed token may be behind the learner
-    lag: int = 0  # sync: batch s is sampled from version max(0, s − lag) (a deterministic virtual clock)
-    refresh: str = "pin"  # in-flight weight refresh: pin | recompute | retain
-    refresh_every: int = 8  # tokens between refresh checks
-    reward_latency: float = 0.0  # seconds of injected wait per prompt group (tool calls, verifiers)
-    runtime: str = "local"  # async: local (a thread) | process (spawned processes) | ray (actors)
-    ray_num_cpus: int = 2  # CPUs given to ray.init when no cluster is connected
-    workers: int = 1  # runtime=process|ray: rollout workers (processes / actors) producing batches in turn
-    engine: str = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
-
-    def __post_init__(self):
-        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens", "refresh_every", "workers")
-        if self.runtime not in ("local", "process", "ray"):
-            raise ValueError(f"rollout.runtime must be 'local', 'process' or 'ray', got {self.runtime!r}")
-        from driftless.rollout.worker import ENGINES
-
-        if self.engine not in ENGINES:
-            raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "vllm" and self.refresh != "pin":
-            raise ValueError(f"rollout.refresh={self.refresh!r} is not supported by rollout.engine=vllm (it cannot "
-                             "swap weights inside one generate call); use pin")
-        if self.engine == "vllm" and self.runtime != "local":
-            raise ValueError(f"rollout.engine=vllm runs with rollout.runtime=local (the engine in the driver's "
-                             f"process), got {self.runtime!r}")
-        if self.workers > 1 and (self.mode, self.runtime) not in (("async", "process"), ("async", "ray")):
-            raise ValueError(f"rollout.workers={self.workers} needs rollout.mode=async with rollout.runtime=process "
-                             f"or ray (got mode {self.mode!r}, runtime {self.runtime!r})")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"rollout.mode must be 'sync' or 'async', got {self.mode!r}")
-        if self.refresh not in ("pin", "recompute", "retain"):
-            raise ValueError(f"rollout.refresh must be pin, recompute or retain, got {self.refresh!r}")
-        for name in ("staleness_bound", "lag"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"rollout.{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if not self.reward_latency >= 0:
-            raise ValueError(f"rollout.reward_latency must be >= 0, got {self.reward_latency!r}")
-        if not isinstance(self.head_k, int) or self.head_k < 0:
-            raise ValueError(f"rollout.head_k must be an integer >= 0, got {self.head_k!r}")
-        try:
-            self.sampling()
-        except ValueError as err:
-            raise ValueError(f"rollout: {err}") from None
-
-    def sampling(self):
-        from driftless.rollout import SamplingParams
-
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
-
-@dataclass
-class MismatchSection:
-    view: str = "none"  # sampler view spec, e.g. "w8a8+kv:int8", "noise:0.05" (driftless.mismatch)
-    staleness: int = 0  # refresh the sampler every staleness + 1 steps
-    trainer_numerics: str = "fp"  # fp | fwd-fq | fwd-bwd-fq | native
-
-    def __post_init__(self):
-        from driftless.mismatch import SyncPolicy, parse_view
-
-        try:
-            view = parse_view(self.view)
-        except ValueError as err:
-            raise ValueError(f"mismatch.view: {err}") from None
-        SyncPolicy(self.staleness)
-        if self.trainer_numerics not in TRAINER_NUMERICS:
-            raise ValueError(f"mismatch.trainer_numerics must be one of {TRAINER_NUMERICS}, got {self.trainer_numerics!r}")
-        if self.trainer_numerics != "fp" and view.quant is None:
-            raise ValueError(f"mismatch.trainer_numerics {self.trainer_numerics!r} needs a quantized mismatch.view")
-
-
-@dataclass
-class ObjectiveSection:
-    name: str = "pg"
-    params: dict = field(default_factory=dict)
-    reward_mode: str = "±1"  # +1/0 | ±1 | ±1-centered
-    advantage: str = "group-mean"  # group-mean | grpo | leave-one-out | none
-
-    def __post_init__(self):
-        if self.reward_mode not in REWARD_MODES:
-            raise ValueError(f"objective.reward_mode must be one of {REWARD_MODES}, got {self.reward_mode!r}")
-        if self.advantage not in ESTIMATORS:
-            raise ValueError(f"objective.advantage must be one of {ESTIMATORS}, got {self.advantage!r}")
-        try:
-            self.build()
-        except ValueError as err:
-            raise ValueError(f"objective: {err}") from None
-
-    def build(self):
-        return make(self.name, **(self.params or {}))
-
-
-SCHEDULES = ("constant", "linear", "cosine")
-
-
-@dataclass
-class OptimSection:
-    name: str = "sgd"  # sgd (plain, as in the paper) | adamw
-    lr: float = 0.5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    grad_clip: float = 1.0  # 0 = off
-    schedule: str = "constant"  # constant | linear (to 0 at the last optimizer step) | cosine
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.name not in ("sgd", "adamw"):
-            raise ValueError(f"optim.name must be 'sgd' or 'adamw', got {self.name!r}")
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr!r}")
-        if self.grad_clip < 0:
-            raise ValueError(f"optim.grad_clip must be >= 0, got {self.grad_clip!r}")
-
-
-@dataclass
-class WarmStartSection(WarmStartConfig):
-    """The warm start's settings (driftless.train.warmstart) plus where its cache lives."""
-
-    cache_dir: str = "runs/warmstart"
-
-    def settings(self) -> WarmStartConfig:
-        return WarmStartConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WarmStartConfig)})
-
-
-@dataclass
-class TrainSection:
-    steps: int = 60
-    seed: int = 0
-    eval_every: int = 10
-    eval_problems: int = 128
-    checkpoint_every: int = 20
-    run_dir: str = "runs/default"
-    progress: bool = True
-    ppo_epochs: int = 1  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
-    minibatches: int = 1  # optimizer steps per pass (rows split into contiguous minibatches)
-    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard | wandb
-    trace: bool = False  # async runs: record every consumed batch under RUN/trace/ (driftless replay)
-    learner_runtime: str = "local"  # local (in the driver) | ray (a Ray actor; needs rollout.runtime=ray)
-
-    def __post_init__(self):
-        _positive("train", self, "steps", "eval_every", "eval_problems", "checkpoint_every", "ppo_epochs",
-                  "minibatches")
-        from driftless.train.sinks import LOGGERS
-
-        if self.learner_runtime not in ("local", "ray"):
-            raise ValueError(f"train.learner_runtime must be 'local' or 'ray', got {self.learner_runtime!r}")
-
-        bad = [name for name in self.loggers if name not in LOGGERS]
-        if bad:
-            raise ValueError(f"train.loggers: unknown logger(s) {bad}; choose from {', '.join(LOGGERS)}")
-
-
-@dataclass
-class DiagnosticsSection:
-    decomposition: bool = True  # Eq. 1 every update: weight movement vs same-version disagreement (docs/diagnostics.md)
-    keep_versions: int | None = None  # past versions' weights kept for it; None: what staleness / lag / η need
-
-    def __post_init__(self):
-        if self.keep_versions is not None and (not isinstance(self.keep_versions, int) or self.keep_versions < 0):
-            raise ValueError(f"diagnostics.keep_versions must be an integer >= 0 (or null), got {self.keep_versions!r}")
-
-
-@dataclass
-class RunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    task: TaskSection = field(default_factory=TaskSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    mismatch: MismatchSection = field(default_factory=MismatchSection)
-    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
-
-    def __post_init__(self):
-        if self.train.learner_runtime == "ray" and (self.rollout.mode, self.rollout.runtime) != ("async", "ray"):
-            raise ValueError("train.learner_runtime=ray needs rollout.mode=async and rollout.runtime=ray, got "
-                             f"rollout.mode={self.rollout.mode!r}, rollout.runtime={self.rollout.runtime!r}")
-        if self.rollout.engine == "vllm":
-            if self.model.kind != "hf":
-                raise ValueError(f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), "
-                                 f"got model.kind={self.model.kind!r}")
-            from driftless.mismatch import parse_view
-
-            quant = parse_view(self.mismatch.view).quant
-            if quant is not None and (quant.act is not None or quant.kv is not None):
-                raise ValueError(f"mismatch.view={self.mismatch.view!r}: with rollout.engine=vllm only weight-only "
-                                 "views and noise apply (activation / KV views need TinyLM's numerics hook)")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def versions_to_keep(self) -> int:
-        """How many past versions' weights Eq. 1 needs: one more than the most updates a token can lag."""
-        if self.diagnostics.keep_versions is not None:
-            return self.diagnostics.keep_versions
-        r = self.rollout
-        behind = max(r.lag, self.mismatch.staleness, r.staleness_bound if r.mode == "async" else 0)
-        return behind + 1 if behind else 0
-
-
+# ---------------------------------------------------------------------------------------- the checks
 def _coerce(key: str, value, annotation):
-    """Check (and gently coerce) a YAML value against a dataclass field's type."""
+    """Check (and gently coerce) a value against a field's annotation; the one type check of the schema."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -297,6 +53,12 @@ def _coerce(key: str, value, annotation):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner[0])
+    if origin is Literal:
+        if isinstance(value, int) and not isinstance(value, bool) and str(value) in args:
+            value = str(value)
+        if value not in args:
+            raise ValueError(f"{key} must be one of {', '.join(map(str, args))}, got {value!r}")
+        return value
     if annotation is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{key} must be true or false, got {value!r}")
@@ -333,6 +95,274 @@ def _coerce(key: str, value, annotation):
     return value
 
 
+def _check_fields(obj, section: str) -> None:
+    """Every field of ``obj`` against its annotation and its ``min`` / ``above`` metadata."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{section}.{f.name}"
+        value = _coerce(key, getattr(obj, f.name), hints[f.name])
+        setattr(obj, f.name, value)
+        if value is None:
+            continue
+        if "min" in f.metadata and value < f.metadata["min"]:
+            what = "a positive integer" if f.metadata["min"] == 1 and isinstance(value, int) else \
+                f">= {f.metadata['min']}"
+            raise ValueError(f"{key} must be {what}, got {value!r}")
+        if "above" in f.metadata and not value > f.metadata["above"]:
+            raise ValueError(f"{key} must be > {f.metadata['above']}, got {value!r}")
+
+
+class _Section:
+    _name = ""
+
+    def __post_init__(self):
+        _check_fields(self, self._name)
+
+
+# ---------------------------------------------------------------------------------------- sections
+@dataclass
+class ModelSection(_Section):
+    _name = "model"
+    kind: Literal["tiny", "hf"] = "tiny"
+    execution: Literal["fast", "aligned"] = "fast"  # aligned: tiny only
+    d_model: int = _positive(192)
+    n_layer: int = _positive(4)
+    n_head: int = _positive(3)
+    n_kv_head: int = _positive(1)
+    d_ff: int = _positive(512)
+    max_seq_len: int = _positive(64)
+    hf_path: str | None = None  # a local transformers directory; None = a tiny random Qwen3 config
+    warm_start: bool = True  # tiny only: start from the cached supervised warm start
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kind == "hf" and self.execution == "aligned":
+            raise ValueError("model.execution 'aligned' needs model.kind 'tiny'")
+
+
+@dataclass
+class TaskSection(_Section):
+    _name = "task"
+    name: TaskName = "countdown"
+    n_numbers: int = 2  # two numbers: the search is small enough for a 1.6M-parameter model to learn by RL
+    min_number: int = 1
+    max_number: int = 9
+    max_target: int = 100
+    ops: str = "+-*/"
+    max_operand: int = 20  # arithmetic only
+    target: str = "7"  # first-token only: the rewarded first character
+
+
+@dataclass
+class RolloutSection(_Section):
+    _name = "rollout"
+    prompts_per_step: int = _positive(32)
+    group_size: int = _positive(8)
+    max_new_tokens: int = _positive(24)
+    temperature: float = 1.0
+    top_k: int = _at_least(0, 0)
+    top_p: float = 1.0
+    head_k: int = _at_least(32, 0)  # the sampler's top-k head recorded per token (0: none)
+    runtime: Runtime = "sync"  # where batches come from: sync (inline) | thread | process | ray (docs/async.md)
+    staleness_bound: int | None = _at_least(None, 0)  # η of the asynchronous runtimes; None: 1 there
+    lag: int = _at_least(0, 0)  # sync: batch s is sampled from version max(0, s − lag) (a deterministic virtual clock)
+    refresh: RefreshPolicy = "pin"  # in-flight weight refresh: pin | recompute | retain
+    refresh_every: int | None = _at_least(None, 1)  # tokens between refresh checks; None: 8 when refresh != pin
+    reward_latency: float = _at_least(0.0, 0.0)  # seconds of injected wait per prompt group (tool calls, verifiers)
+    workers: int = _positive(1)  # process | ray: rollout workers producing batches in turn
+    ray_num_cpus: int | None = _at_least(None, 1)  # ray: CPUs for ray.init when no cluster is connected; None: 2
+    engine: Engine = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
+
+    @property
+    def eta(self) -> int:
+        """The staleness bound of an asynchronous runtime, in versions."""
+        return 1 if self.staleness_bound is None else self.staleness_bound
+
+    @property
+    def tokens_between_refreshes(self) -> int:
+        return 8 if self.refresh_every is None else self.refresh_every
+
+    @property
+    def ray_cpus(self) -> int:
+        return 2 if self.ray_num_cpus is None else self.ray_num_cpus
+
+
+@dataclass
+class MismatchSection(_Section):
+    _name = "mismatch"
+    view: str = "none"  # sampler view spec, e.g. "w8a8+kv:int8", "noise:0.05" (driftless.mismatch)
+    staleness: int = _at_least(0, 0)  # sync: refresh the sampler every staleness + 1 steps (composes with lag)
+    trainer_numerics: TrainerNumerics = "fp"  # fp | fwd-fq | fwd-bwd-fq | native (needs a quantized view)
+
+
+@dataclass
+class ObjectiveSection(_Section):
+    _name = "objective"
+    name: str = "pg"  # a preset of driftless.objectives (docs/objectives.md)
+    params: dict = field(default_factory=dict)
+    reward_mode: RewardMode = "±1"
+    advantage: Estimator = "group-mean"
+
+
+@dataclass
+class OptimSection(_Section):
+    _name = "optim"
+    name: Literal["sgd", "adamw"] = "adamw"
+    lr: float = field(default=1.0e-4, metadata={"above": 0})  # 1e-3 collapses within 10 steps
+    weight_decay: float = _at_least(0.0, 0.0)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = _at_least(1.0, 0.0)  # 0 = off
+    schedule: Schedule = "linear"  # constant | linear (to 0 at the last optimizer step) | cosine
+
+
+@dataclass
+class WarmStartConfig(_Section):
+    """Supervised warm start of the built-in model (driftless.train.warmstart)."""
+
+    _name = "warm_start"
+    steps: int = _positive(150)  # a weak start leaves headroom; 1000 steps start higher and barely move
+    batch_size: int = _positive(64)
+    lr: float = field(default=3e-3, metadata={"above": 0})
+    weight_decay: float = _at_least(0.01, 0.0)
+    seed: int = 0
+    eval_problems: int = _positive(256)
+
+
+@dataclass
+class WarmStartSection(WarmStartConfig):
+    """The warm start's settings plus where its cache lives."""
+
+    cache_dir: str = "runs/warmstart"
+
+    def settings(self) -> WarmStartConfig:
+        return WarmStartConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WarmStartConfig)})
+
+
+@dataclass
+class TrainSection(_Section):
+    _name = "train"
+    steps: int = _positive(80)
+    seed: int = 0
+    eval_every: int = _positive(20)
+    eval_problems: int = _positive(256)
+    checkpoint_every: int = _positive(50)
+    run_dir: str = "runs/default"
+    progress: bool = True
+    ppo_epochs: int = _positive(1)  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
+    minibatches: int = _positive(1)  # optimizer steps per pass (rows split into contiguous minibatches)
+    loggers: list[LoggerName] = field(default_factory=lambda: ["jsonl"])
+    trace: bool = False  # record every consumed batch under RUN/trace/ (driftless replay)
+    learner_runtime: Literal["local", "ray"] = "local"  # ray: the learner in a Ray actor (rollout.runtime=ray)
+
+
+@dataclass
+class DiagnosticsSection(_Section):
+    _name = "diagnostics"
+    decomposition: bool = True  # Eq. 1 every update: weight movement vs same-version disagreement (docs/diagnostics.md)
+    keep_versions: int | None = _at_least(None, 0)  # past versions' weights kept for it; None: what lag / η need
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    mismatch: MismatchSection = field(default_factory=MismatchSection)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
+
+    def __post_init__(self):
+        refusal = runtime_refusal(self)
+        if refusal:
+            raise ValueError(refusal)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.rollout.runtime in ASYNC_RUNTIMES
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def versions_to_keep(self) -> int:
+        """How many past versions' weights Eq. 1 needs: one more than the most updates a token can lag."""
+        if self.diagnostics.keep_versions is not None:
+            return self.diagnostics.keep_versions
+        r = self.rollout
+        behind = r.eta if self.asynchronous else r.lag + self.mismatch.staleness
+        return behind + 1 if behind else 0
+
+
+def runtime_refusal(config: RunConfig) -> str | None:
+    """Why ``config`` asks a runtime for something it does not do (None: every setting is honoured).
+
+    The matrix (docs/async.md): lag and mismatch.staleness are the synchronous runtime's
+    virtual clock; the asynchronous runtimes' staleness comes from timing, bounded by η. In-flight
+    refresh needs newer weights to arrive mid-response: an asynchronous runtime, or sync with a lag.
+    """
+    r, rt = config.rollout, config.rollout.runtime
+    if config.asynchronous:
+        if r.lag:
+            return (f"rollout.lag={r.lag} is the sync runtime's virtual clock; with rollout.runtime={rt} staleness "
+                    "comes from timing, bounded by rollout.staleness_bound (or use rollout.runtime=sync)")
+        if config.mismatch.staleness:
+            return (f"mismatch.staleness={config.mismatch.staleness} refreshes a synchronous sampler every "
+                    f"staleness + 1 steps; with rollout.runtime={rt} use rollout.staleness_bound (or rollout.runtime=sync)")
+    else:
+        if r.refresh != "pin" and not r.lag:
+            return (f"rollout.refresh={r.refresh} needs newer weights to arrive mid-response: with "
+                    "rollout.runtime=sync set rollout.lag >= 1, or use rollout.runtime=thread|process|ray")
+        if r.refresh != "pin" and config.mismatch.staleness:
+            return (f"rollout.refresh={r.refresh} with mismatch.staleness={config.mismatch.staleness}: the sampler "
+                    "would not know which version is next; use rollout.lag alone with in-flight refresh")
+        if r.staleness_bound is not None:
+            return (f"rollout.staleness_bound={r.staleness_bound} bounds the asynchronous runtimes; with "
+                    "rollout.runtime=sync the staleness is rollout.lag (+ mismatch.staleness): use those, or "
+                    "rollout.runtime=thread|process|ray")
+    if r.refresh == "pin" and r.refresh_every is not None:
+        return f"rollout.refresh_every={r.refresh_every} needs rollout.refresh=recompute or retain (pin never refreshes)"
+    if r.workers > 1 and rt not in ("process", "ray"):
+        return f"rollout.workers={r.workers} needs rollout.runtime=process or ray (got {rt!r})"
+    if r.ray_num_cpus is not None and rt != "ray":
+        return f"rollout.ray_num_cpus={r.ray_num_cpus} sizes a local Ray cluster; it needs rollout.runtime=ray (got {rt!r})"
+    if config.train.learner_runtime == "ray" and rt != "ray":
+        return f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={rt!r}"
+    if r.engine == "vllm":
+        if rt not in ("sync", "thread"):
+            return (f"rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), "
+                    f"got rollout.runtime={rt!r}")
+        if r.refresh != "pin":
+            return (f"rollout.refresh={r.refresh!r} is not supported by rollout.engine=vllm (it cannot swap weights "
+                    "inside one generate call); use pin")
+        if config.model.kind != "hf":
+            return f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), got {config.model.kind!r}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------- loading
+# Keys that were renamed: refused with what to write instead.
+_RUNTIME_OF_OLD = {("sync", "local"): "sync", ("async", "local"): "thread", ("async", "process"): "process",
+                   ("async", "ray"): "ray"}
+
+
+def _refuse_old_keys(data: dict) -> None:
+    rollout = data.get("rollout")
+    if not isinstance(rollout, dict):
+        return
+    if "mode" in rollout:
+        mode, runtime = rollout.get("mode"), rollout.get("runtime", "local")
+        new = _RUNTIME_OF_OLD.get((mode, runtime), "sync | thread | process | ray")
+        raise ValueError(f"rollout.mode was replaced by rollout.runtime: instead of mode: {mode!r}"
+                         f"{f', runtime: {runtime!r}' if 'runtime' in rollout else ''}, write "
+                         f"rollout.runtime: {new}")
+    if rollout.get("runtime") == "local":
+        raise ValueError("rollout.runtime 'local' was renamed: write rollout.runtime: thread (a rollout worker "
+                         "thread) or sync (the learner and the worker taking turns)")
+
+
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ValueError(f"{prefix or 'config'} must be a mapping, got {data!r}")
@@ -346,10 +376,7 @@ def _build(cls, data: dict, prefix: str):
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value or {}, key)
-        else:
-            kwargs[name] = _coerce(key, value, hint)
+        kwargs[name] = _build(hint, value or {}, key) if dataclasses.is_dataclass(hint) else value
     return cls(**kwargs)
 
 
@@ -377,6 +404,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"config file {path} does not exist")
         data = yaml.safe_load(path.read_text()) or {}
     data = apply_overrides(data, overrides or [])
+    _refuse_old_keys(data)
     return _build(RunConfig, data, "")
 
 

@@ -1,17 +1,17 @@
-"""The synchronous driver: a rollout worker and a learner taking turns.
+"""The training loop, the same for every runtime.
 
-Each step: publish the learner's weights to the worker when the staleness policy says so →
-``worker.produce(step)`` (prompts × group size rollouts, rewards, advantages) →
-``learner.update(batch)`` (scoring, objective, optimizer) → evaluation on the held-out split
-every ``eval_every`` steps → one metrics line → an atomic checkpoint every
-``checkpoint_every`` steps. Every random draw is keyed by (seed, step), so ``resume`` continues
-with the lines the uninterrupted run would have written.
+Each step: get the batch of step s from the rollout source (``rollout.runtime``: sync, thread,
+process or ray; driftless.train.sources) → drop the rows older than the source's staleness
+bound (counted, never trained on) → trace the batch as consumed (``train.trace``) → update the
+learner (scoring, objective, optimizer) → publish the new weights to the source → evaluate on
+the held-out split every ``eval_every`` steps → one metrics line → an atomic checkpoint every
+``checkpoint_every`` steps. Every random draw is keyed by (seed, step), so on the sync runtime
+``resume`` continues with the lines the uninterrupted run would have written.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -19,66 +19,40 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from driftless.mismatch import SyncPolicy, parse_view
 from driftless.rollout import Snapshot
-from driftless.rollout.worker import RolloutSettings, RolloutWorker, step_seed
-from driftless.tasks import CharTokenizer
-from driftless.train import checkpoint
+from driftless.train import build, checkpoint
 from driftless.train.config import RunConfig, dump_config
 from driftless.train.evaluate import evaluate
-from driftless.train.factory import initial_state, make_policy
-from driftless.train.learner import Learner, make_optimizer
 from driftless.train.sinks import open_sinks
+from driftless.train.sources import drop_stale, make_source, queue_metrics
+from driftless.train.trace import write_batch
 
-TIMING_KEYS = ("tokens_per_s", "step_time", "rollout_s", "score_s", "loss_s", "optim_s", "eval_s", "wall_time")
+TIMING_KEYS = ("tokens_per_s", "step_time", "rollout_s", "score_s", "loss_s", "optim_s", "eval_s", "wall_time",
+               "learner_wait_s", "worker_wait_s", "prequeue_s", "inqueue_s")
 COLLAPSE_FRACTION = 0.5  # collapsed: train-reward EMA (0.9) below half its best, once the best is >= 0.1
-
-
-def rollout_settings(config: RunConfig) -> RolloutSettings:
-    r = config.rollout
-    return RolloutSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-                           max_new_tokens=r.max_new_tokens, sampling=r.sampling(),
-                           reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
-                           head_k=r.head_k, seed=config.train.seed, refresh=r.refresh, refresh_every=r.refresh_every,
-                           reward_latency=r.reward_latency, engine=r.engine)
-
-
-def make_learner(config: RunConfig, tokenizer, state) -> Learner:
-    """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics), objective, optimizer."""
-    policy = make_policy(config, tokenizer, state)
-    if config.mismatch.trainer_numerics != "fp":
-        view = parse_view(config.mismatch.view)
-        policy.numerics = view.quant.numerics.for_trainer(config.mismatch.trainer_numerics)
-    o, t = config.optim, config.train
-    optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
-                               (o.beta1, o.beta2))
-    return Learner(policy, config.objective.build(), optimizer, grad_clip=o.grad_clip,
-                   head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
-                   schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
-                   decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep())
 
 
 class Run:
     def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, progress: bool | None = None):
-        self.config = config
+        self.config = build.check(config)
         self.dir = Path(run_dir or config.train.run_dir)
         self.progress = config.train.progress if progress is None else progress
-        self.tokenizer = CharTokenizer()
-        self.task = config.task.build()
-        self.sync = SyncPolicy(config.mismatch.staleness)
-        view = parse_view(config.mismatch.view)
-        state, self.warm_info = initial_state(config, self.tokenizer, self.progress)  # once, here
-        self.learner = make_learner(config, self.tokenizer, state)
-        self.worker = RolloutWorker(make_policy(config, self.tokenizer, state), self.task, self.tokenizer,
-                                    rollout_settings(config), view=view)
+        self.tokenizer = build.tokenizer(config)
+        self.task = build.task(config)
+        state, self.warm_info = build.initial_state(config, self.tokenizer, self.progress)  # once, here
+        self.source = make_source(config, state)
         self.eval_problems = self.task.eval_set(config.train.eval_problems)
         self.step_index = 0  # completed steps
         self.reward_ema: float | None = None
         self.best_reward_ema = 0.0
         self.last_eval: float | None = None
-        self.lag = config.rollout.lag
-        self.history: dict[int, Snapshot] = {}  # lag > 0: weights published after each step count
+        self.stale_rows_dropped = 0
+        self.learner_wait_s = 0.0
         self._sources: dict = {}
+
+    @property
+    def learner(self):
+        return self.source.learner
 
     @property
     def policy(self):
@@ -88,27 +62,29 @@ class Run:
     def step(self) -> dict:
         s = self.step_index
         t0 = time.perf_counter()
-        if self.lag:  # a virtual clock: batch s comes from the weights after max(0, s − lag) steps
-            if not self.history:
-                self.history[s] = self.learner.publish()
-            snapshot = self.history[max(0, s - self.lag)]
-            refreshed = self.worker.snapshot is None or self.worker.snapshot.version != snapshot.version
-            if refreshed:
-                self.worker.load(snapshot)
+        delivery = self.source.next(s)
+        if delivery.step != s:
+            raise RuntimeError(f"batch {delivery.step} arrived for step {s}: batches are consumed in step order")
+        self.learner_wait_s += time.perf_counter() - t0
+        consumed_at, version = time.time(), self.learner.version
+        batch, dropped = drop_stale(delivery.batch, version, self.source.bound)  # never silently used
+        self.stale_rows_dropped += dropped
+        if self.config.train.trace:
+            write_batch(self.dir, s, batch)
+        if batch is not None:
+            learner = self.learner.update(batch)
         else:
-            refreshed = self.sync.should_refresh(s) or self.worker.snapshot is None
-            if refreshed:  # publish the learner's weights to the worker (which applies its mismatch view)
-                self.worker.load(self.learner.publish())
-        batch, rollout = self.worker.produce(s, weights=self._virtual_refresh(s))
-        learner = self.learner.update(batch)
-        if self.lag:
-            self.history[s + 1] = self.learner.publish()
-            for old in [k for k in self.history if k < s + 1 - self.lag]:
-                del self.history[old]
-        return self._finish_step(t0, rollout, learner, {"sampler_refreshed": bool(refreshed)})
+            learner = {"version": version, "skipped_steps": self.learner.skipped_steps}
+        self.source.published()
+        sources = {}
+        if self.source.bound is not None:  # an asynchronous source: how old, how long queued, who waited
+            sources["queue"] = {"stale_rows_dropped": self.stale_rows_dropped,
+                                **queue_metrics(delivery, batch, version, consumed_at),
+                                "learner_wait_s": self.learner_wait_s}
+        return self._finish_step(t0, delivery.rollout, learner, {"sampler_refreshed": delivery.refreshed}, sources)
 
-    def _finish_step(self, t0: float, rollout: dict, learner: dict, extra: dict, sources: dict | None = None) -> dict:
-        """Every driver's end of a step: reward EMA and collapse flag, the step count, evaluation, timing."""
+    def _finish_step(self, t0: float, rollout: dict, learner: dict, extra: dict, sources: dict) -> dict:
+        """The end of a step: reward EMA and collapse flag, the step count, evaluation, timing."""
         s = self.step_index
         reward = rollout["reward"]
         self.reward_ema = reward if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * reward
@@ -116,12 +92,12 @@ class Run:
         run = {"step": s, **extra,
                "collapsed": bool(self.best_reward_ema >= 0.1 and self.reward_ema < COLLAPSE_FRACTION * self.best_reward_ema)}
         self.step_index += 1
-        metrics = {**learner, **rollout, **(sources or {}).get("queue", {}), **run}
+        metrics = {**learner, **rollout, **sources.get("queue", {}), **run}
         if self.step_index % self.config.train.eval_every == 0 or self.step_index == self.config.train.steps:
             t_eval = time.perf_counter()
             metrics.update(eval_reward=self._evaluate(), eval_s=time.perf_counter() - t_eval)
         metrics["step_time"] = time.perf_counter() - t0
-        self._sources = {"rollout": rollout, "learner": learner, **(sources or {}), "run": run}
+        self._sources = {"rollout": rollout, "learner": learner, **sources, "run": run}
         return metrics
 
     def _evaluate(self) -> float:
@@ -130,30 +106,25 @@ class Run:
                                   max_new_tokens=self.config.rollout.max_new_tokens)["eval_reward"]
         return self.last_eval
 
-    def _virtual_refresh(self, s: int):
-        """With a lag and an in-flight refresh policy: the next version arrives mid-response at refresh
-        checks drawn from a seeded schedule (probability 1/2 per check, keyed by (seed, step))."""
-        if not self.lag or self.config.rollout.refresh == "pin" or s - self.lag + 1 not in self.history:
-            return None
-        rng = random.Random(step_seed(self.config.train.seed, s, 3))
-        newer = self.history[max(0, s - self.lag + 1)]
-        arrived = []
-
-        def weights():
-            if not arrived and rng.random() < 0.5:
-                arrived.append(True)
-            return newer if arrived else None
-        return weights
-
     # ------------------------------------------------------------------ driving
     def run(self, resume: bool = False, overwrite: bool = False) -> Path:
-        """Train to ``train.steps``. ``resume`` continues from the latest checkpoint; a fresh run
+        """Train to ``train.steps``. ``resume`` continues from the newest intact checkpoint; a fresh run
         refuses a directory that already holds one unless ``overwrite``."""
+        try:
+            return self._run(resume, overwrite)
+        finally:
+            self.source.close()
+
+    def _run(self, resume: bool, overwrite: bool) -> Path:
         cfg = self.config
         self.dir.mkdir(parents=True, exist_ok=True)
         latest = checkpoint.latest_checkpoint(self.dir)
         if resume and latest is not None:
-            self.load_checkpoint(latest)
+            intact = checkpoint.newest_intact(self.dir)
+            if intact is None:
+                raise ValueError(f"{self.dir} holds no intact checkpoint (each failed its checksums); pass "
+                                 "--overwrite to start the run over")
+            self.load_checkpoint(intact)
             _truncate_metrics(self.dir / "metrics.jsonl", self.step_index)
         else:
             if latest is not None and not overwrite:
@@ -190,14 +161,16 @@ class Run:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         learner = self.learner.state_dict()
-        snapshot = self.worker.snapshot
+        sampler = self.source.sampler_snapshot()
+        snapshots = self.source.snapshots()
         return checkpoint.save_checkpoint(
-            self.dir, self.step_index, model=learner["model"], sampler=snapshot.state, optimizer=learner["optimizer"],
-            state={"version": learner["version"], "sampler_version": snapshot.version,
+            self.dir, self.step_index, model=learner["model"], sampler=sampler.state, optimizer=learner["optimizer"],
+            state={"version": learner["version"], "sampler_version": sampler.version,
                    "skipped_steps": learner["skipped_steps"], "reward_ema": self.reward_ema,
                    "best_reward_ema": self.best_reward_ema, "last_eval": self.last_eval,
-                   "snapshot_versions": {str(k): v.version for k, v in self.history.items()}},
-            snapshots={k: v.state for k, v in self.history.items()}, versions=learner["versions"])
+                   "stale_rows_dropped": self.stale_rows_dropped,
+                   "snapshot_versions": {str(k): v.version for k, v in snapshots.items()}},
+            snapshots={k: v.state for k, v in snapshots.items()}, versions=learner["versions"])
 
     def load_checkpoint(self, path: Path) -> None:
         ckpt = checkpoint.load_checkpoint(path)
@@ -208,9 +181,10 @@ class Run:
         self.step_index = state["step"]
         self.reward_ema, self.best_reward_ema = state["reward_ema"], state["best_reward_ema"]
         self.last_eval = state["last_eval"]
-        self.worker.load(Snapshot(ckpt["sampler"], state["sampler_version"]))
+        self.stale_rows_dropped = state.get("stale_rows_dropped", 0)
         versions = state.get("snapshot_versions", {})
-        self.history = {k: Snapshot(v, versions[str(k)]) for k, v in ckpt["snapshots"].items()}
+        self.source.restore(Snapshot(ckpt["sampler"], state["sampler_version"]),
+                            {k: Snapshot(v, versions[str(k)]) for k, v in ckpt["snapshots"].items()})
 
 
 def _truncate_metrics(path: Path, completed: int) -> None:
@@ -224,11 +198,4 @@ def _truncate_metrics(path: Path, completed: int) -> None:
 def train(config: RunConfig, run_dir=None, *, resume: bool = False, overwrite: bool = False,
           progress: bool | None = None) -> Path:
     torch.manual_seed(config.train.seed)
-    driver = Run
-    if config.rollout.mode == "async" and config.rollout.runtime == "ray":
-        from driftless.train.ray_loop import RayRun as driver
-    elif config.rollout.mode == "async" and config.rollout.runtime == "process":
-        from driftless.train.process_loop import ProcessRun as driver
-    elif config.rollout.mode == "async":
-        from driftless.train.async_loop import AsyncRun as driver
-    return driver(config, run_dir, progress=progress).run(resume=resume, overwrite=overwrite)
+    return Run(config, run_dir, progress=progress).run(resume=resume, overwrite=overwrite)

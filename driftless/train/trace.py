@@ -1,7 +1,7 @@
 """Traces of asynchronous runs, and their replay.
 
 Which version a batch starts from, and when refreshes happen, depends on timing in an
-asynchronous run. The trace records what the learner actually consumed, step by step: every
+asynchronous run. The trace (``train.trace``, on every runtime) records what the learner actually consumed, step by step: every
 batch as trained on (tokens, per-token versions and kv_versions, recorded log q and head,
 rewards, advantages; stale rows already dropped) and its refresh events, in
 ``RUN/trace/step_000012.safetensors``. ``replay(run_dir)`` rebuilds the learner from the same
@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from driftless.rollout import RolloutBatch, SamplingParams
+from driftless.train import build
+from driftless.train.config import load_config
 
 TRACE_DIR = "trace"
 
@@ -42,11 +44,14 @@ def write_batch(run_dir: Path, step: int, batch: RolloutBatch | None) -> None:
 
 
 def read_batch(path: Path) -> RolloutBatch | None:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    tensors = load_file(str(path))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"trace file {path} is damaged and cannot be replayed: {err}") from None
     if not tensors:
         return None
     sampling = SamplingParams(**json.loads(meta["sampling"]))
@@ -55,17 +60,14 @@ def read_batch(path: Path) -> RolloutBatch | None:
 
 def replay(run_dir):
     """Re-run the learner of ``run_dir`` on its traced batches: (the learner's metrics per step, the learner)."""
-    from driftless.train.config import load_config
-    from driftless.train.loop import Run
-
     run_dir = Path(run_dir)
     files = sorted((run_dir / TRACE_DIR).glob("step_*.safetensors"))
     if not files:
-        raise ValueError(f"{run_dir} has no trace (only asynchronous runs write one, under {TRACE_DIR}/)")
-    original = load_config(run_dir / "config.yaml")  # Eq. 1 keeps as many past versions as the run did
-    config = load_config(run_dir / "config.yaml",
-                         ["rollout.mode=sync", f"diagnostics.keep_versions={original.versions_to_keep()}"])
-    learner = Run(config, run_dir / "replay", progress=False).learner
+        raise ValueError(f"{run_dir} has no trace (runs with train.trace=true write one, under {TRACE_DIR}/)")
+    config = load_config(run_dir / "config.yaml")
+    torch.manual_seed(config.train.seed)
+    state, _ = build.initial_state(config, progress=False)
+    learner = build.learner(config, state)
     out = []
     for path in files:
         batch = read_batch(path)

@@ -13,7 +13,7 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,24 +21,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from driftless.models import TinyLM, TinyLMConfig, load_model, save_model
+from driftless.train.config import WarmStartConfig
 from driftless.train.evaluate import evaluate
-
-
-@dataclass
-class WarmStartConfig:
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    seed: int = 0
-    eval_problems: int = 256
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_problems"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"warm_start.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"warm_start.lr must be > 0, got {self.lr}")
 
 
 def sft_batch(problems, tokenizer):

@@ -1,0 +1,160 @@
+"""Everything made from a config, in one place: tokenizer, task, objective, view, policy, learner, worker.
+
+The initial weights are made once (``initial_state``: the cached supervised warm start for
+TinyLM, a seeded random initialisation otherwise) and handed to every part: the learner's policy
+and each rollout worker's own copy (``make_worker``, the same function in the driver, a worker
+process or a Ray actor). No part launches a warm start of its own.
+
+``check(config)`` builds what is cheap (task, objective, view, sampling transform) so that a
+setting the domain refuses is refused by name before a run starts; the schema
+(driftless.train.config) checks types and ranges without importing any of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from driftless.mismatch import parse_view
+from driftless.rollout import SamplingParams
+from driftless.rollout.worker import RolloutSettings, RolloutWorker
+from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfig, FirstToken
+from driftless.train.config import RunConfig
+from driftless.train.learner import Learner, make_optimizer
+
+
+def tokenizer(config: RunConfig | None = None) -> CharTokenizer:
+    return CharTokenizer()
+
+
+def task(config: RunConfig):
+    t = config.task
+    if t.name == "arithmetic":
+        return Arithmetic(t.max_operand)
+    if t.name == "first-token":
+        return FirstToken(t.target)
+    return Countdown(CountdownConfig(t.n_numbers, t.min_number, t.max_number, t.max_target, t.ops))
+
+
+def objective(config: RunConfig):
+    from driftless.objectives import make
+
+    return make(config.objective.name, **(config.objective.params or {}))
+
+
+def view(config: RunConfig):
+    return parse_view(config.mismatch.view)
+
+
+def sampling(config: RunConfig) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def check(config: RunConfig) -> RunConfig:
+    """Refuse, by name, what the domain cannot build from ``config`` (before anything runs)."""
+    for section, make in (("task", task), ("objective", objective), ("mismatch.view", view),
+                          ("rollout", sampling)):
+        try:
+            made = make(config)
+        except ValueError as err:
+            raise ValueError(f"{section}: {err}") from None
+        if section == "mismatch.view":
+            numerics = config.mismatch.trainer_numerics
+            if numerics != "fp" and made.quant is None:
+                raise ValueError(f"mismatch.trainer_numerics {numerics!r} needs a quantized mismatch.view")
+            if config.rollout.engine == "vllm" and made.quant is not None and (made.quant.act is not None
+                                                                             or made.quant.kv is not None):
+                raise ValueError(f"mismatch.view={config.mismatch.view!r}: with rollout.engine=vllm only weight-only "
+                                 "views and noise apply (activation / KV views need TinyLM's numerics hook)")
+    return config
+
+
+# ---------------------------------------------------------------------------------------- policies
+def tiny_config(config: RunConfig, vocab_size: int):
+    from driftless.models import TinyLMConfig
+
+    m = config.model
+    return TinyLMConfig(vocab_size=vocab_size, d_model=m.d_model, n_layer=m.n_layer, n_head=m.n_head,
+                        n_kv_head=m.n_kv_head, d_ff=m.d_ff, max_seq_len=m.max_seq_len)
+
+
+def _hf_source(config: RunConfig, tok):
+    from driftless.models.hf import tiny_qwen3_config
+
+    m = config.model
+    return m.hf_path or tiny_qwen3_config(vocab_size=tok.vocab_size, max_positions=m.max_seq_len)
+
+
+def initial_state(config: RunConfig, tok=None, progress: bool = True) -> tuple[dict, dict | None]:
+    """(starting weights, warm-start info or None)."""
+    tok = tok or tokenizer(config)
+    if config.model.kind == "hf":
+        from driftless.models.hf import HFPolicy
+
+        torch.manual_seed(config.train.seed)
+        return HFPolicy(_hf_source(config, tok)).state_dict(), None
+    from driftless.models import TinyLM
+
+    model_config = tiny_config(config, tok.vocab_size)
+    if config.model.warm_start:
+        from driftless.train.warmstart import warm_start
+
+        ws = config.warm_start
+        base, info = warm_start(model_config, task(config), tok, ws.settings(),
+                                max_new_tokens=config.rollout.max_new_tokens, cache_dir=ws.cache_dir,
+                                progress=progress)
+        return base.state_dict(), info
+    base = TinyLM(model_config)
+    base.reset_parameters(seed=config.train.seed)
+    return base.state_dict(), None
+
+
+def policy(config: RunConfig, state: dict | str | Path, tok=None):
+    """A policy of ``config.model`` holding ``state`` (a state dict or a safetensors file)."""
+    tok = tok or tokenizer(config)
+    if isinstance(state, (str, Path)):
+        from safetensors.torch import load_file
+
+        state = load_file(str(state))
+    if config.model.kind == "hf":
+        from driftless.models.hf import HFPolicy
+
+        made = HFPolicy(_hf_source(config, tok))
+    else:
+        from driftless.models import TinyLM
+
+        made = TinyLM(tiny_config(config, tok.vocab_size), execution=config.model.execution)
+    made.load_state_dict(state)
+    return made
+
+
+# ---------------------------------------------------------------------------------------- parts
+def learner(config: RunConfig, state: dict) -> Learner:
+    """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics), objective, optimizer."""
+    trained = policy(config, state)
+    if config.mismatch.trainer_numerics != "fp":
+        trained.numerics = view(config).quant.numerics.for_trainer(config.mismatch.trainer_numerics)
+    o, t = config.optim, config.train
+    optimizer = make_optimizer([p for p in trained.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
+                               (o.beta1, o.beta2))
+    return Learner(trained, objective(config), optimizer, grad_clip=o.grad_clip,
+                   head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
+                   schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
+                   decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep())
+
+
+def rollout_settings(config: RunConfig) -> RolloutSettings:
+    r = config.rollout
+    return RolloutSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                           max_new_tokens=r.max_new_tokens, sampling=sampling(config),
+                           reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
+                           head_k=r.head_k, seed=config.train.seed, refresh=r.refresh,
+                           refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency, engine=r.engine)
+
+
+def worker(config: RunConfig, state: dict) -> RolloutWorker:
+    """A rollout worker with its own policy copy on ``state``, sampling through the config's mismatch view."""
+    tok = tokenizer(config)
+    return RolloutWorker(policy(config, state, tok), task(config), tok, rollout_settings(config), view=view(config))
