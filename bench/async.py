@@ -34,24 +34,15 @@ def main() -> None:
     ap.add_argument("--latencies", type=float, nargs="+", default=[0.0, 0.05, 0.2])
     ap.add_argument("--staleness-bound", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=16)  # the worker waits latency x prompts per batch
-    ap.add_argument("--runtime", choices=("local", "process", "ray"), default="local",
-                    help="where the async worker runs: a thread (local), a spawned process, a Ray actor")
+    ap.add_argument("--runtime", choices=("thread", "process", "ray"), default="thread",
+                    help="where the async worker runs: a thread, a spawned process, a Ray actor")
     ap.add_argument("--async-threads", type=int, default=0,
                     help="torch threads for the asynchronous runs (0: unchanged; the synchronous runs keep the default)")
     args = ap.parse_args()
 
     import torch
 
-    from driftless.train import load_config
-    from driftless.train.async_loop import AsyncRun
-    from driftless.train.loop import Run
-    from driftless.train.process_loop import ProcessRun
-
-    drivers = {"local": AsyncRun, "process": ProcessRun}
-    if args.runtime == "ray":
-        from driftless.train.ray_loop import RayRun
-
-        drivers["ray"] = RayRun
+    from driftless.train import Run, load_config
     out: dict = {"updates": args.updates, "prompts_per_step": args.prompts, "staleness_bound": args.staleness_bound,
                  "runtime": args.runtime, "async_threads": args.async_threads or torch.get_num_threads(), "latencies": {}}
     max_seen = 0
@@ -62,10 +53,9 @@ def main() -> None:
                 cfg = load_config(REPO / "configs" / "default.yaml", [
                     f"train.steps={args.updates}", f"train.eval_every={10 ** 6}", "train.checkpoint_every=1000000",
                     f"rollout.prompts_per_step={args.prompts}", f"rollout.reward_latency={latency}",
-                    f"rollout.mode={mode}", f"rollout.staleness_bound={args.staleness_bound}", "train.progress=false",
-                    f"rollout.runtime={args.runtime if mode == 'async' else 'local'}"])
-                driver = drivers[args.runtime] if mode == "async" else Run
-                run = driver(cfg, Path(tmp) / f"{mode}-{latency}", progress=False)
+                    "train.progress=false", f"rollout.runtime={args.runtime if mode == 'async' else 'sync'}",
+                    *([f"rollout.staleness_bound={args.staleness_bound}"] if mode == "async" else [])])
+                run = Run(cfg, Path(tmp) / f"{mode}-{latency}", progress=False)
                 threads = torch.get_num_threads()
                 if mode == "async" and args.async_threads:
                     torch.set_num_threads(args.async_threads)
@@ -86,7 +76,8 @@ def main() -> None:
                     row[mode]["t_train_s"] = statistics.fmean(r["score_s"] + r["loss_s"] + r["optim_s"] for r in lines)
                     row[mode]["t_gen_plus_wait_s"] = statistics.fmean(r["rollout_s"] for r in lines)
                     row[mode]["learner_idle_fraction"] = lines[-1]["learner_wait_s"] / wall
-                    row[mode]["worker_idle_fraction"] = lines[-1]["worker_wait_s"] / wall
+                    if "worker_wait_s" in lines[-1]:  # measured on the thread runtime
+                        row[mode]["worker_idle_fraction"] = lines[-1]["worker_wait_s"] / wall
                     seen = max(r["staleness_max"] for r in lines)
                     row[mode]["max_staleness"] = seen
                     max_seen = max(max_seen, seen)

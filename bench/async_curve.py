@@ -36,7 +36,8 @@ def main() -> None:
     for mode in ("sync", "async"):
         cfg = load_config(REPO / "configs" / "default.yaml", [
             f"train.steps={args.steps}", "train.eval_every=10", f"rollout.reward_latency={args.latency}",
-            f"rollout.mode={mode}", f"rollout.staleness_bound={args.staleness_bound}", "train.progress=false"])
+            "train.progress=false", f"rollout.runtime={'thread' if mode == 'async' else 'sync'}",
+            *([f"rollout.staleness_bound={args.staleness_bound}"] if mode == "async" else [])])
         d = train(cfg, out / mode, overwrite=True, progress=False)
         lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
         start = json.loads((d / "initial_eval.json").read_text())["eval_reward"]

@@ -28,24 +28,24 @@ def main() -> None:
 
     import ray
 
-    from driftless.train import load_config
-    from driftless.train.ray_loop import RayRun, object_store_usage
+    from driftless.train import Run, load_config
+    from driftless.train.sources.ray import object_store_usage
 
     config = load_config(None, [
         "model.warm_start=false", "task.name=first-token", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=2", f"train.steps={args.steps}", f"train.eval_every={args.steps}",
         "train.eval_problems=16", f"train.checkpoint_every={args.steps}", "optim.name=adamw", "optim.lr=1e-3",
-        "train.progress=false", "rollout.mode=async", "rollout.runtime=ray", "rollout.ray_num_cpus=2",
+        "optim.schedule=constant", "train.progress=false", "rollout.runtime=ray", "rollout.ray_num_cpus=2",
         f"rollout.staleness_bound={args.eta}", f"train.learner_runtime={args.learner}"])
     samples: list[tuple[int, int, int]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        run = RayRun(config, tmp)
-        publish = run._publish
+        run = Run(config, tmp)
+        publish = run.source.published
 
         def measured():
             publish()
             samples.append((run.learner.version, *object_store_usage(ray)))
-        run._publish = measured
+        run.source.published = measured
         t0 = time.perf_counter()
         run.run()
         wall = time.perf_counter() - t0

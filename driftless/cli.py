@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=_train)
 
-    ev = sub.add_parser("eval", help="evaluate a run's latest checkpoint on the held-out split")
+    ev = sub.add_parser("eval", help="evaluate a run's newest intact checkpoint on the held-out split")
     ev.add_argument("run", help="a run directory")
     ev.add_argument("--problems", type=int, help="how many held-out problems (default: the run's)")
     ev.set_defaults(func=_eval)
 
-    rp = sub.add_parser("replay", help="re-run an asynchronous run's learner from its trace; compare")
+    rp = sub.add_parser("replay", help="re-run a run's learner from its trace (train.trace=true); compare")
     rp.add_argument("run", help="a run directory written with train.trace=true")
     rp.set_defaults(func=_replay)
 

@@ -105,7 +105,7 @@ def test_decomposition_can_be_switched_off(tmp_path):
     Run(load_config(None, [*SMALL, "train.steps=2", "rollout.lag=1", "diagnostics.decomposition=false"]),
         tmp_path).run()
     assert not any(k.startswith("eq1_") for r in rows(tmp_path) for k in r)
-    with pytest.raises(ValueError, match="diagnostics.keep_versions must be an integer >= 0"):
+    with pytest.raises(ValueError, match="diagnostics.keep_versions must be >= 0, got -1"):
         load_config(None, ["diagnostics.keep_versions=-1"])
 
 

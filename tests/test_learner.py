@@ -21,8 +21,8 @@ TINY = ["task.name=first-token", "model.d_model=64", "model.n_head=1", "model.n_
 
 def batch_and_policy(tmp_path, *extra):
     run = Run(load_config(None, [*TINY, *extra]), tmp_path)
-    run.worker.load(run.learner.publish())
-    batch, _ = run.worker.produce(0)
+    run.source.worker.load(run.learner.publish())
+    batch, _ = run.source.worker.produce(0)
     return run, batch
 
 

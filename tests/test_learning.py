@@ -103,12 +103,12 @@ def test_run_step_scores_each_row_with_its_own_problem(tmp_path, monkeypatch):
     cfg = load_config(None, [*SMALL_RUN, "objective.name=pg", "rollout.prompts_per_step=3", "rollout.group_size=2"])
     run = Run(cfg, tmp_path / "r", progress=False)
     seen = []
-    real_score = run.worker.task.score
+    real_score = run.source.worker.task.score
 
     def spy(problem, completion):
         seen.append(problem.text)
         return real_score(problem, completion)
-    monkeypatch.setattr(run.worker.task, "score", spy)
+    monkeypatch.setattr(run.source.worker.task, "score", spy)
     run.step()
     assert len(seen) == 6 and seen[0] == seen[1] and seen[2] == seen[3] and seen[4] == seen[5]
     assert len(set(seen)) == 3

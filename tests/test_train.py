@@ -175,6 +175,41 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
         assert ra == rb
 
 
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_path, damage, capsys):
+    """A truncated or bit-flipped file in the newest checkpoint: resume, eval and the checkpoint loader
+    name it and fall back to the newest intact checkpoint; the resumed run still ends with the
+    uninterrupted run's lines."""
+    from driftless.cli import main
+    from driftless.train.checkpoint import DamagedCheckpoint, load_checkpoint
+
+    extra = ["train.eval_every=2", "train.checkpoint_every=2"]
+    Run(tiny_config("train.steps=6", *extra), tmp_path / "a").run()
+    Run(tiny_config("train.steps=6", *extra), tmp_path / "b").run()
+    damaged = tmp_path / "b" / "checkpoints" / "step_000006" / "model.safetensors"
+    data = bytearray(damaged.read_bytes())
+    if damage == "truncate":
+        damaged.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0x01
+        damaged.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match=r"step_000006: model.safetensors does not match its recorded SHA-256"):
+        load_checkpoint(damaged.parent)
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint step_000006"):
+        assert main(["eval", str(tmp_path / "b"), "--problems", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == "step_000004"
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint step_000006: .*model.safetensors"):
+        Run(tiny_config("train.steps=6", *extra), tmp_path / "b").run(resume=True)
+    strip = lambda d: [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
+                       for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert strip(tmp_path / "b") == strip(tmp_path / "a")
+    for ckpt in (tmp_path / "b" / "checkpoints").glob("step_*"):  # every checkpoint damaged: refused by name
+        (ckpt / "optim.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds no intact checkpoint"):
+        with pytest.warns(UserWarning):
+            Run(tiny_config("train.steps=6", *extra), tmp_path / "b").run(resume=True)
+
+
 def test_a_fresh_run_refuses_to_clobber_a_saved_one(tmp_path):
     Run(tiny_config("train.steps=1"), tmp_path).run()
     with pytest.raises(ValueError, match="already holds a run"):
@@ -368,3 +403,9 @@ def test_the_schemas_choices_are_the_domains():
              (c.Runtime, tuple(SOURCES))]
     for literal, domain in pairs:
         assert typing.get_args(literal) == tuple(domain)
+    import subprocess
+    import sys
+
+    probe = "import sys, driftless.train.config; print(sorted(m for m in ('torch', 'driftless.objectives', " \
+            "'driftless.tasks', 'driftless.mismatch') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"

@@ -20,56 +20,35 @@ Each refresh is an event in ``batch.meta["refreshes"]`` (step, old and new versi
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from driftless.rollout.batch import RolloutBatch
+from driftless.rollout.engine import REFRESH_POLICIES, assemble, check_request, prepare
 from driftless.rollout.sampling import SamplingParams, is_aligned, sampling_logprobs
+from driftless.rollout.snapshot import Snapshot
+
+__all__ = ["REFRESH_POLICIES", "Sampler", "Snapshot", "check_request"]
 
 
 @dataclass
-class Snapshot:
-    """Published trainer weights and the version number they carry."""
+class _Decoded:
+    """What the decode loop records per step, for every row (packed into the batch afterwards)."""
 
-    state: dict
-    version: int
-
-    def __post_init__(self):
-        if self.version is None or not isinstance(self.version, int) or self.version < 0:
-            raise ValueError(f"a snapshot needs an integer version >= 0, got {self.version!r}")
-
-    @classmethod
-    def of(cls, model, version: int) -> Snapshot:
-        return cls({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
-
-
-REFRESH_POLICIES = ("pin", "recompute", "retain")
-
-
-def check_request(prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, ctx: int, vocab: int) -> None:
-    """Refuse, naming the prompt and the value, what no rollout engine can generate from."""
-    if not prompts:
-        raise ValueError("prompts is empty")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        if len(p) >= ctx:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {ctx} (need room to generate)")
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} holds token ids outside [0, {vocab}): {bad[:5]}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if params.top_k > vocab:
-        raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab})")
+    steps: dict[str, list] = field(default_factory=lambda: {
+        "token": [], "logq": [], "active": [], "head_ids": [], "head_logp": [], "version": [], "kv_version": []})
+    events: list[dict] = field(default_factory=list)
+    end: torch.Tensor | None = None  # [B] each row's length
 
 
 class Sampler:
-    """Generate from a policy copy; ``load(snapshot)`` syncs it to published weights."""
+    """Generate from a policy copy; ``load(snapshot)`` syncs it to published weights.
 
-    def __init__(self, policy, *, head_k: int = 32, eos_id: int | None = None, pad_id: int = 0, view=None):
+    ``version``: the weight version ``policy`` already holds (None: call ``load`` first)."""
+
+    def __init__(self, policy, *, head_k: int = 32, eos_id: int | None = None, pad_id: int = 0, view=None,
+                 version: int | None = None):
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
         self.policy = policy
@@ -77,7 +56,7 @@ class Sampler:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.view = view  # a mismatch view applied at every load (driftless.mismatch)
-        self.version: int | None = None
+        self.version: int | None = version
 
     def load(self, snapshot: Snapshot) -> None:
         if not isinstance(snapshot, Snapshot):
@@ -101,29 +80,27 @@ class Sampler:
         refresh: str = "pin",
         refresh_every: int = 8,
     ) -> RolloutBatch:
-        params = params or SamplingParams()
-        if refresh not in REFRESH_POLICIES:
-            raise ValueError(f"rollout.refresh must be one of {', '.join(REFRESH_POLICIES)}, got {refresh!r}")
-        if refresh_every < 1:
-            raise ValueError(f"rollout.refresh_every must be >= 1, got {refresh_every}")
-        if self.version is None:
-            raise ValueError("the sampler has no weight version: call load(Snapshot(state, version)) first")
-        policy = self.policy
-        exact = is_aligned(policy)
-        ctx, vocab = policy.max_seq_len, policy.vocab_size
-        check_request(prompts, params, max_new_tokens, ctx, vocab)
-        if seed is None:  # drawn from the global generator: reproducible under torch.manual_seed
-            seed = int(torch.randint(0, 2**62, (1,)))
-        gen = torch.Generator().manual_seed(seed)
-        b = len(prompts)
+        params, seed = prepare(self, prompts, params, max_new_tokens, seed=seed, refresh=refresh,
+                               refresh_every=refresh_every)
+        ctx = self.policy.max_seq_len
         plen = torch.tensor([len(p) for p in prompts])
         total = min(int(plen.max()) + max_new_tokens, ctx)
-        tokens = torch.full((b, total), self.pad_id, dtype=torch.long)
+        tokens = torch.full((len(prompts), total), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
-        k = min(self.head_k, vocab)
         limit = torch.clamp(plen + max_new_tokens, max=ctx)  # per-row end (exclusive)
+        decoded = self._decode(tokens, plen, limit, params, torch.Generator().manual_seed(seed), weights, refresh,
+                               refresh_every)
+        return self._pack(tokens, plen, decoded, params, group)
 
+    def _decode(self, tokens, plen, limit, params: SamplingParams, gen, weights, refresh: str,
+                refresh_every: int) -> _Decoded:
+        """The decode loop: prefill, then one token per step for every active row, refreshing weights per
+        ``refresh``; records per step the token, log q, head, version and kv_version."""
+        policy, b = self.policy, tokens.shape[0]
+        exact = is_aligned(policy)
+        ctx, total = policy.max_seq_len, tokens.shape[1]
+        k = min(self.head_k, policy.vocab_size)
         cache = policy.new_cache(b)
         prefill = policy.prefill(tokens[:, : int(plen.max())], plen, cache)  # [B, T, V]
         last = prefill[torch.arange(b), plen - 1]  # [B, V]
@@ -132,9 +109,8 @@ class Sampler:
         pos = plen.clone()  # where each row's next token goes
         done = torch.zeros(b, dtype=torch.bool)
         seq = tokens.clone()  # prompt + what has been generated so far (for a recompute)
-        events: list[dict] = []
-        steps: dict[str, list] = {"token": [], "logq": [], "active": [], "head_ids": [], "head_logp": [],
-                                  "version": [], "kv_version": []}
+        out = _Decoded()
+        steps = out.steps
         while True:
             active = ~done & (pos < limit)
             if not active.any():
@@ -143,7 +119,8 @@ class Sampler:
             if weights is not None and refresh != "pin" and n_step and n_step % refresh_every == 0:
                 snapshot = weights()
                 if snapshot is not None and snapshot.version != self.version:
-                    events.append({"step": n_step, "from": self.version, "to": snapshot.version, "policy": refresh})
+                    out.events.append({"step": n_step, "from": self.version, "to": snapshot.version,
+                                       "policy": refresh})
                     self.load(snapshot)
                     if refresh == "recompute":  # rebuild every row's cache under the new weights
                         cache = policy.new_cache(b)
@@ -175,45 +152,35 @@ class Sampler:
             last = policy.decode(tok, torch.clamp(pos - 1, max=ctx - 1), cache)
             last_version = self.version
             kv_oldest = torch.clamp(kv_oldest, max=self.version)  # the slot just written holds this version
+        out.end = pos
+        return out
 
-        # write the per-step records at each row's positions plen + step, in one scatter per field
+    def _pack(self, tokens, plen, decoded: _Decoded, params: SamplingParams, group) -> RolloutBatch:
+        """Write the per-step records at each row's positions plen + step, in one scatter per field."""
+        steps, b = decoded.steps, tokens.shape[0]
         n_steps = len(steps["token"])
         act = torch.stack(steps["active"], 1)  # [B, S]; a row is active for a prefix of the steps
         where = plen[:, None] + torch.arange(n_steps)[None, :]  # [B, S]
-        width = total + n_steps  # scratch room so inactive steps never collide with real positions
+        width = tokens.shape[1] + n_steps  # scratch room so inactive steps never collide with real positions
 
         def place(values, fill, dtype, tail=()):
             buf = torch.full((b, width, *tail), fill, dtype=dtype)
             index = where.view(b, n_steps, *[1] * len(tail)).expand(b, n_steps, *tail)
             return buf.scatter_(1, index, values)
 
-        used = int(pos.max())
+        used = int(decoded.end.max())
         tokens = torch.cat([tokens, torch.full((b, n_steps), self.pad_id, dtype=torch.long)], 1)
         tokens = torch.where(place(act, False, torch.bool), place(torch.stack(steps["token"], 1), 0, torch.long), tokens)
-        mask = place(act, False, torch.bool)[:, :used]
-        logq_tok = place(torch.where(act, torch.stack(steps["logq"], 1), 0.0), 0.0, torch.float32)[:, :used]
-        version = place(torch.where(act, torch.stack(steps["version"], 1), -1), -1, torch.long)[:, :used]
-        kv_version = place(torch.where(act, torch.stack(steps["kv_version"], 1), -1), -1, torch.long)[:, :used]
         head_ids = head_logp = None
-        if k:
-            act_k = act[..., None]
+        if steps["head_ids"]:
+            act_k, k = act[..., None], steps["head_ids"][0].shape[-1]
             head_ids = place(torch.where(act_k, torch.stack(steps["head_ids"], 1), 0), 0, torch.long, (k,))[:, :used]
             head_logp = place(torch.where(act_k, torch.stack(steps["head_logp"], 1), 0.0), 0.0, torch.float32,
                               (k,))[:, :used]
-        length = pos
-        now = time.time()
-        return RolloutBatch(
-            tokens=tokens[:, :used].contiguous(),
-            prompt_len=plen,
-            length=length.clone(),
-            action_mask=mask.contiguous(),
-            sampler_logp=logq_tok.contiguous(),
-            version=version.contiguous(),
-            sampling=params,
-            sampler_topk_ids=None if head_ids is None else head_ids.contiguous(),
-            sampler_topk_logp=None if head_logp is None else head_logp.contiguous(),
-            group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
-            created=torch.full((b,), now, dtype=torch.float64),
-            kv_version=kv_version.contiguous(),
-            meta={"refreshes": events} if events else {},
-        )
+        return assemble(
+            tokens=tokens[:, :used], prompt_len=plen, length=decoded.end, mask=place(act, False, torch.bool)[:, :used],
+            logq=place(torch.where(act, torch.stack(steps["logq"], 1), 0.0), 0.0, torch.float32)[:, :used],
+            version=place(torch.where(act, torch.stack(steps["version"], 1), -1), -1, torch.long)[:, :used],
+            kv_version=place(torch.where(act, torch.stack(steps["kv_version"], 1), -1), -1, torch.long)[:, :used],
+            params=params, head_ids=head_ids, head_logp=head_logp, group=group,
+            meta={"refreshes": decoded.events} if decoded.events else {})

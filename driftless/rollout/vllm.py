@@ -35,15 +35,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from driftless.ops.cpu import has_avx512_or_amx
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.sampler import REFRESH_POLICIES, Snapshot, check_request
+from driftless.rollout.engine import assemble, prepare
 from driftless.rollout.sampling import SamplingParams
+from driftless.rollout.snapshot import Snapshot
 
 # vLLM SamplingParams fields that change the distribution a token is drawn from beyond
 # temperature / top-k / top-p: the trainer's transform cannot reproduce them, so q would lie.
@@ -249,21 +249,15 @@ class VLLMSampler:
                  seed: int | None = None, group=None, weights=None, refresh: str = "pin",
                  refresh_every: int = 8) -> RolloutBatch:
         self._alive()
-        params = params or SamplingParams()
-        if refresh not in REFRESH_POLICIES:
-            raise ValueError(f"rollout.refresh must be one of {', '.join(REFRESH_POLICIES)}, got {refresh!r}")
+        params, seed = prepare(self, prompts, params, max_new_tokens, seed=seed, refresh=refresh,
+                               refresh_every=refresh_every)
         if refresh != "pin":
             raise ValueError(f"rollout.refresh={refresh!r} is not supported by the vllm engine: it cannot swap "
                              "weights inside one generate call; use pin")
-        if self.version is None:
-            raise ValueError("the sampler has no weight version: call load(Snapshot(state, version)) first")
-        ctx, vocab = self.policy.max_seq_len, self.policy.vocab_size
-        check_request(prompts, params, max_new_tokens, ctx, vocab)
+        ctx = self.policy.max_seq_len
         held = self.engine_version()
         if held != self.version:
             raise StaleEngineError(f"the engine holds weight version {held}, the sampler expected {self.version}")
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)))
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         sampling = [self._params(params, min(max_new_tokens, ctx - len(p)), (seed + 7919 * i) % (2**63 - 1))
                     for i, p in enumerate(prompts)]
@@ -302,13 +296,9 @@ class VLLMSampler:
                 raise RuntimeError(f"the engine returned {len(o.logprobs or [])} log-prob entries for "
                                    f"{len(o.token_ids)} tokens (row {i})")
         version = torch.where(mask, self.version, -1).long()
-        now = time.time()
-        return RolloutBatch(
-            tokens=tokens, prompt_len=plen, length=length, action_mask=mask, sampler_logp=logq, version=version,
-            sampling=params, sampler_topk_ids=head_ids if k else None, sampler_topk_logp=head_logp if k else None,
-            group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
-            created=torch.full((b,), now, dtype=torch.float64), kv_version=version.clone(),
-            meta={"engine": "vllm"})
+        return assemble(tokens=tokens, prompt_len=plen, length=length, mask=mask, logq=logq, version=version,
+                        kv_version=version.clone(), params=params, head_ids=head_ids if k else None,
+                        head_logp=head_logp if k else None, group=group, meta={"engine": "vllm"})
 
     def __del__(self):
         if getattr(self, "_owned_dir", None) is not None:

@@ -19,8 +19,10 @@ import torch
 from driftless.models.protocols import SupportsNumerics
 from driftless.objectives.advantages import group_advantages, shape_rewards
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.sampler import Sampler, Snapshot
+from driftless.rollout.engine import RolloutEngine
+from driftless.rollout.sampler import Sampler
 from driftless.rollout.sampling import SamplingParams
+from driftless.rollout.snapshot import Snapshot
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -47,7 +49,7 @@ class RolloutSettings:
 ENGINES = ("driftless", "vllm")
 
 
-def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id: int, view=None):
+def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id: int, view=None) -> RolloutEngine:
     """The rollout engine by name: the built-in Sampler or the vLLM-backed one (same interface)."""
     if engine == "driftless":
         return Sampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view)

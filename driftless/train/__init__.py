@@ -1,7 +1,19 @@
-"""The training loop, its rollout sources, the learner, warm start, config, checkpoints and metric sinks."""
+"""The training loop, its rollout sources, the learner, warm start, config, checkpoints and metric sinks.
 
-from driftless.train.config import RunConfig, apply_overrides, dump_config, load_config
-from driftless.train.learner import Learner
-from driftless.train.loop import Run, train
+Exports resolve on first use, so that ``driftless.train.config`` (the schema) can be imported
+without the training stack (torch) behind it.
+"""
 
-__all__ = ["Learner", "Run", "RunConfig", "apply_overrides", "dump_config", "load_config", "train"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"RunConfig": "config", "apply_overrides": "config", "dump_config": "config", "load_config": "config",
+            "Learner": "learner", "Run": "loop", "train": "loop"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"driftless.train.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'driftless.train' has no attribute {name!r}")

@@ -240,9 +240,11 @@ class RaySource:
                 break
             except self.ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"no batch from the Ray rollout actors within {WAIT_S} s") from None
-            except self.ray.exceptions.RayActorError as err:  # the actor died: replace it, redo what it owed
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.ObjectLostError) as err:
+                # the actor died, or its node did with the batch it had finished: replace it, redo what it owed
                 dead = self.dispatch.worker_of(step)
                 self.dispatch.died(dead, str(err).splitlines()[0])
+                self.ray.kill(self.actors[dead])
                 self.actors[dead] = self._new_actor()
                 for s in self.dispatch.owed(dead):
                     self._send(s, dead)
