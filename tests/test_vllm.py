@@ -167,18 +167,19 @@ def test_models_the_engine_cannot_run_are_refused_with_the_cause(tmp_path):
 
 
 def test_config_refuses_what_the_vllm_engine_cannot_do():
-    from driftless.train import load_config
+    from driftless.train import build, load_config
 
     for overrides, message in (
         (["rollout.engine=vllm"], "needs model.kind=hf"),
-        (["rollout.engine=vllm", "model.kind=hf", "rollout.refresh=recompute"], "refresh='recompute' is not supported"),
-        (["rollout.engine=vllm", "model.kind=hf", "rollout.mode=async", "rollout.runtime=process"],
-         "runs with rollout.runtime=local"),
+        (["rollout.engine=vllm", "model.kind=hf", "rollout.runtime=thread", "rollout.refresh=recompute"],
+         "refresh='recompute' is not supported"),
+        (["rollout.engine=vllm", "model.kind=hf", "rollout.runtime=process"],
+         r"runs in the driver's process \(rollout.runtime=sync or thread\)"),
         (["rollout.engine=vllm", "model.kind=hf", "mismatch.view=kv:int8"], "only weight-only views"),
         (["rollout.engine=sglang"], "rollout.engine must be"),
     ):
         with pytest.raises(ValueError, match=message):
-            load_config(None, overrides)
+            build.check(load_config(None, overrides))
 
 
 def test_check_alignment_vllm_mode():
@@ -241,7 +242,7 @@ def test_asynchronous_collection_with_the_vllm_engine_keeps_the_bound(tmp_path):
     """The engine generating on the worker thread while the learner trains in the caller's."""
     from driftless.train import load_config, train
 
-    cfg = load_config(None, [*SMALL_HF_RUN, "train.steps=8", "train.checkpoint_every=1000", "rollout.mode=async",
+    cfg = load_config(None, [*SMALL_HF_RUN, "train.steps=8", "train.checkpoint_every=1000", "rollout.runtime=thread",
                              "rollout.staleness_bound=1"])
     run_dir = train(cfg, tmp_path / "run", progress=False)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -263,11 +264,11 @@ def test_a_dead_engine_fails_the_run_clearly_and_leaves_its_checkpoints(tmp_path
     assert checkpoints
     resumed = Run(load_config(None, [*SMALL_HF_RUN, "train.steps=6", "train.checkpoint_every=2"]), tmp_path / "run",
                   progress=False)
-    resumed.worker.sampler.engine.llm_engine.engine_core.shutdown()  # the engine dies under the run
+    resumed.source.worker.sampler.engine.llm_engine.engine_core.shutdown()  # the engine dies under the run
     with pytest.raises(EngineDeadError, match="the vLLM engine died during"):
         resumed.run(resume=True)
     with pytest.raises(EngineDeadError, match="is dead"):
-        resumed.worker.sampler.generate(PROMPTS, SamplingParams(), 4)
+        resumed.source.worker.sampler.generate(PROMPTS, SamplingParams(), 4)
     after = {p: p.read_bytes() for p in sorted((tmp_path / "run" / "checkpoints").rglob("*")) if p.is_file()}
     assert after == checkpoints
     # a new engine starts after the old one died
