@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from driftless.train import Run, load_config  # noqa: E402
+from driftless.train import Run, load_config
 
 SMALL = ["model.warm_start=false", "model.d_model=64", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=1",
          "model.d_ff=128", "model.max_seq_len=16", "task.name=first-token", "rollout.prompts_per_step=8",
@@ -29,7 +29,7 @@ def two_nodes(monkeypatch):
         ray.shutdown()
     # Ray turns a loopback address into the machine's interface address before connecting (so that a
     # cluster is reachable from other machines); on one machine, keep every connection on loopback
-    import ray._private.ray_constants as ray_constants
+    from ray._private import ray_constants
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={

@@ -205,9 +205,8 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_pat
     assert strip(tmp_path / "b") == strip(tmp_path / "a")
     for ckpt in (tmp_path / "b" / "checkpoints").glob("step_*"):  # every checkpoint damaged: refused by name
         (ckpt / "optim.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="holds no intact checkpoint"):
-        with pytest.warns(UserWarning):
-            Run(tiny_config("train.steps=6", *extra), tmp_path / "b").run(resume=True)
+    with pytest.raises(ValueError, match="holds no intact checkpoint"), pytest.warns(UserWarning):
+        Run(tiny_config("train.steps=6", *extra), tmp_path / "b").run(resume=True)
 
 
 def test_a_fresh_run_refuses_to_clobber_a_saved_one(tmp_path):

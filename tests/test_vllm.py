@@ -276,3 +276,19 @@ def test_a_dead_engine_fails_the_run_clearly_and_leaves_its_checkpoints(tmp_path
     fresh.load(Snapshot.of(peaked(0), 0))
     assert fresh.generate(PROMPTS, SamplingParams(), 4, seed=0).action_mask.any()
     fresh.close()
+
+
+def test_the_shipped_vllm_config_runs_one_step(tmp_path):
+    """configs/vllm.yaml, shrunk to one small step: trains with the engine, one line at version 1."""
+    import json
+    from pathlib import Path
+
+    from driftless.train import load_config, train
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "vllm.yaml"
+    config = load_config(path, ["train.steps=1", "train.eval_problems=4", "rollout.prompts_per_step=2",
+                                "rollout.group_size=2", "rollout.max_new_tokens=4", "train.checkpoint_every=1",
+                                "train.progress=false", f"train.run_dir={tmp_path}"])
+    d = train(config)
+    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0] and lines[0]["version"] == 1

@@ -10,7 +10,7 @@ import importlib
 
 _EXPORTS = {"RunConfig": "config", "apply_overrides": "config", "dump_config": "config", "load_config": "config",
             "Learner": "learner", "Run": "loop", "train": "loop"}
-__all__ = sorted(_EXPORTS)
+__all__ = ["Learner", "Run", "RunConfig", "apply_overrides", "dump_config", "load_config", "train"]
 
 
 def __getattr__(name: str):

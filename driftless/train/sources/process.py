@@ -80,7 +80,8 @@ def _serve(config, folder: str, requests) -> None:
             worker.load(snapshot)
         admitted = time.time()
         start_version = worker.version
-        batch, metrics = worker.produce(step, weights=(lambda: _newest(folder, worker.version)) if refresh else None)
+        newer = (lambda held=worker: _newest(folder, held.version)) if refresh else None
+        batch, metrics = worker.produce(step, weights=newer)
         metrics["worker_pid"] = os.getpid()
         final = os.path.join(folder, f"step_{step:06d}.pt")
         with open(final + ".tmp", "wb") as f:
