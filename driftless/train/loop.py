@@ -12,6 +12,7 @@ the held-out split every ``eval_every`` steps → one metrics line → an atomic
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +26,7 @@ from driftless.train.config import RunConfig, dump_config
 from driftless.train.evaluate import evaluate
 from driftless.train.sinks import open_sinks
 from driftless.train.sources import drop_stale, make_source, queue_metrics
-from driftless.train.trace import write_batch
+from driftless.train.trace import TRACE_DIR, write_batch
 
 TIMING_KEYS = ("tokens_per_s", "step_time", "rollout_s", "score_s", "loss_s", "optim_s", "eval_s", "wall_time",
                "learner_wait_s", "worker_wait_s", "prequeue_s", "inqueue_s")
@@ -131,6 +132,7 @@ class Run:
                 raise ValueError(f"{self.dir} already holds a run: pass --resume to continue it, --overwrite to "
                                  "replace it, or choose another run directory")
             checkpoint.clear_checkpoints(self.dir)
+            shutil.rmtree(self.dir / TRACE_DIR, ignore_errors=True)  # a trace is of one run only
             (self.dir / "metrics.jsonl").unlink(missing_ok=True)
             initial = self._evaluate()
             (self.dir / "initial_eval.json").write_text(json.dumps({"eval_reward": initial,

@@ -160,9 +160,14 @@ class Dispatch:
     def owed(self, worker: int) -> list[int]:
         return sorted(s for s in self.in_flight if self.worker_of(s) == worker)
 
-    def take(self, step: int) -> tuple[float, int]:
+    def deliver(self, step: int, batch: RolloutBatch, metrics: dict, timing: dict) -> Delivery:
+        """Batch ``step`` has arrived: no longer in flight; stamped with when it was submitted."""
         self.failures[self.worker_of(step)] = 0
-        return self.in_flight.pop(step)
+        submitted, version = self.in_flight.pop(step)
+        timing["enqueue_learner_version"] = version
+        batch = batch.replace(enqueued=torch.full((batch.batch_size,), submitted, dtype=torch.float64))
+        metrics["worker_restarts"] = self.restarts
+        return Delivery(step, batch, metrics, timing=timing)
 
     def oldest_version(self, default: int) -> int:
         return min((v for _, v in self.in_flight.values()), default=default)

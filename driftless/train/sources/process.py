@@ -171,11 +171,7 @@ class ProcessSource:
         with open(path, "rb") as f:
             batch, metrics, timing = _unpack(f.read())
         os.remove(path)  # a batch sent twice (after a restart) is written over, and used once
-        submitted, version = self.dispatch.take(step)
-        timing["enqueue_learner_version"] = version
-        batch = batch.replace(enqueued=torch.full((batch.batch_size,), submitted, dtype=torch.float64))
-        metrics["worker_restarts"] = self.dispatch.restarts
-        return Delivery(step, batch, metrics, timing=timing)
+        return self.dispatch.deliver(step, batch, metrics, timing)
 
     def published(self) -> None:
         self._write_weights()

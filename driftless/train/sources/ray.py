@@ -6,7 +6,8 @@ actor s mod N, and actors are spread over the cluster's nodes (``SPREAD``).
 - **Weights**: after every update the learner's snapshot goes into the object store; a batch is
   submitted with the newest snapshot's reference. Only the last η + 2 references are kept, so the
   store stays flat over any number of updates. With an in-flight refresh policy the driver also
-  pushes each new reference to every actor (``push``, served on a second thread of the actor)
+  pushes each new reference to every actor (``push``, served on a thread of its own while the
+  actor's batches are produced one at a time)
   and a response in progress picks it up at its next refresh check (PipelineRL-style in-flight
   updates; per-token ``version`` / ``kv_version`` recorded as on the thread runtime).
 - **The learner** (``train.learner_runtime``): ``local`` keeps it in the driver; ``ray`` puts it
@@ -61,15 +62,16 @@ def object_store_usage(ray) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def _actor_class(ray, in_flight: bool):
-    # a second thread serves push() while produce() runs, when responses may take newer weights mid-way
-    @ray.remote(num_cpus=1, max_restarts=0, max_concurrency=2 if in_flight else 1)
+def _actor_class(ray):
+    # push() runs on a thread of its own ("weights") while produce() calls run one at a time (the default group)
+    @ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"weights": 1})
     class RolloutActor:
         def __init__(self, config, state, threads: int):
             torch.set_num_threads(threads)
             self.worker = build.worker(config, state)
             self.newest: tuple[int, list] | None = None  # (version, [reference]) pushed by the driver
 
+        @ray.method(concurrency_group="weights")
         def push(self, version: int, ref: list) -> None:
             self.newest = (version, ref)
 
@@ -213,7 +215,7 @@ class RaySource:
                              "rollout.ray_num_cpus or connect a larger cluster)")
 
     def _new_actor(self):
-        cls = _actor_class(self.ray, self.refresh)
+        cls = _actor_class(self.ray)
         if self.config.rollout.workers > 1:
             cls = cls.options(scheduling_strategy="SPREAD")
         return cls.remote(self.config, self.learner.policy.state_dict(), 1)
@@ -249,11 +251,7 @@ class RaySource:
                 for s in self.dispatch.owed(dead):
                     self._send(s, dead)
         del self.futures[step]
-        submitted, version = self.dispatch.take(step)
-        timing["enqueue_learner_version"] = version
-        batch = batch.replace(enqueued=torch.full((batch.batch_size,), submitted, dtype=torch.float64))
-        metrics["worker_restarts"] = self.dispatch.restarts
-        return Delivery(step, batch, metrics, timing=timing)
+        return self.dispatch.deliver(step, batch, metrics, timing)
 
     def published(self) -> None:
         self.refs.append(self._put())  # the deque drops the oldest: at most η + 2 snapshots stay referenced
