@@ -204,8 +204,9 @@ def _replay(args) -> int:
     equal_metrics = all({k: m.get(k) for k in keys} == {k: o.get(k) for k in keys} for m, o in zip(metrics, original))
     result = {"run": str(run), "steps": len(metrics), "metrics_equal": equal_metrics and len(metrics) == len(original)}
     ckpt = latest_checkpoint(run)
-    if ckpt is not None and load_checkpoint(ckpt, weights_only=True)["state"]["step"] == len(metrics):
-        final = load_checkpoint(ckpt, weights_only=True)["model"]
+    saved = load_checkpoint(ckpt, weights_only=True) if ckpt is not None else None
+    if saved is not None and saved["state"]["step"] == len(metrics):
+        final = saved["model"]
         result["weights_equal"] = all(torch_equal(v, final[k]) for k, v in learner.policy.state_dict().items())
     print(json.dumps(result))
     return 0 if result["metrics_equal"] and result.get("weights_equal", True) else 1

@@ -113,22 +113,24 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
-def newest_intact(run_dir: Path) -> Path | None:
-    """The newest checkpoint whose files all match their checksums, warning about each one skipped."""
+def newest_intact(run_dir: Path) -> tuple[Path, dict] | None:
+    """(the newest checkpoint whose files all match their checksums, its verified state), warning about
+    each one skipped."""
     for path in checkpoints(run_dir):
         try:
-            verify(path)
-            return path
+            return path, verify(path)
         except DamagedCheckpoint as err:
             warnings.warn(f"skipping damaged checkpoint {path.name}: {err}", stacklevel=2)
     return None
 
 
-def load_checkpoint(path: Path, *, weights_only: bool = False) -> dict:
+def load_checkpoint(path: Path, *, weights_only: bool = False, verified: dict | None = None) -> dict:
     """``{"model", "sampler", "optimizer", "state", ...}`` (only ``model`` and ``state`` with ``weights_only``),
-    after ``verify``: a damaged checkpoint raises DamagedCheckpoint naming the file."""
+    after ``verify`` (skipped when ``verified`` is the state ``newest_intact`` already checked): a damaged
+    checkpoint raises DamagedCheckpoint naming the file."""
     path = Path(path)
-    out = {"state": verify(path), "model": load_file(str(path / "model.safetensors"))}
+    out = {"state": verified if verified is not None else verify(path),
+           "model": load_file(str(path / "model.safetensors"))}
     if not weights_only:
         out["sampler"] = load_file(str(path / "sampler.safetensors"))
         out["optimizer"] = torch.load(path / "optim.pt", weights_only=True)

@@ -125,7 +125,7 @@ class Run:
             if intact is None:
                 raise ValueError(f"{self.dir} holds no intact checkpoint (each failed its checksums); pass "
                                  "--overwrite to start the run over")
-            self.load_checkpoint(intact)
+            self.load_checkpoint(*intact)
             _truncate_metrics(self.dir / "metrics.jsonl", self.step_index)
         else:
             if latest is not None and not overwrite:
@@ -174,8 +174,8 @@ class Run:
                    "snapshot_versions": {str(k): v.version for k, v in snapshots.items()}},
             snapshots={k: v.state for k, v in snapshots.items()}, versions=learner["versions"])
 
-    def load_checkpoint(self, path: Path) -> None:
-        ckpt = checkpoint.load_checkpoint(path)
+    def load_checkpoint(self, path: Path, verified: dict | None = None) -> None:
+        ckpt = checkpoint.load_checkpoint(path, verified=verified)
         state = ckpt["state"]
         self.learner.load_state_dict({"model": ckpt["model"], "optimizer": ckpt["optimizer"],
                                       "version": state["version"], "skipped_steps": state["skipped_steps"],

@@ -16,12 +16,13 @@ def evaluate_run(run_dir, problems: int | None = None) -> dict:
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
     if latest_checkpoint(run_dir) is None:
         raise ValueError(f"{run_dir} has no checkpoint yet")
-    ckpt = newest_intact(run_dir)  # a damaged one is skipped with a warning naming it
-    if ckpt is None:
+    intact = newest_intact(run_dir)  # a damaged one is skipped with a warning naming it
+    if intact is None:
         raise ValueError(f"{run_dir} holds no intact checkpoint (each failed its checksums)")
+    ckpt, verified = intact
     config = load_config(run_dir / "config.yaml")
     tokenizer = build.tokenizer(config)
-    policy = build.policy(config, load_checkpoint(ckpt, weights_only=True)["model"], tokenizer)
+    policy = build.policy(config, load_checkpoint(ckpt, weights_only=True, verified=verified)["model"], tokenizer)
     task = build.task(config)
     result = evaluate(policy, task, tokenizer, task.eval_set(problems or config.train.eval_problems),
                       max_new_tokens=config.rollout.max_new_tokens)
