@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-vllm lint bench clean
+.PHONY: install demo study study-quick test test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -24,6 +24,13 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/driftless demo
+
+# docs/RESULTS.md: every experiment of experiments/study/ into results/study/ (resumable: run it again to continue)
+study: $(STAMP)
+	$(VENV)/bin/driftless study
+
+study-quick: $(STAMP)
+	$(VENV)/bin/driftless study --quick
 
 test: $(STAMP)
 	$(PY) -m pytest tests

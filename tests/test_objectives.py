@@ -89,6 +89,7 @@ def test_presets_match_closed_forms(seed):
         ("sc+tis", (("top_k", None),)): closed_weighted_sc(p, q, adv, TIS2),
         ("sc+mis", (("top_k", None),)): closed_weighted_sc(p, q, adv, MIS),
         ("sc+kl", (("beta", 0.3), ("top_k", None))): sc + 0.3 * (q - p),
+        ("sc+tis+kl", (("beta", 0.3), ("top_k", None))): closed_weighted_sc(p, q, adv, TIS2) + 0.3 * (q - p),
     }
     for (name, kw), want in cases.items():
         got = expected_logit_update(p, q, adv, name, **dict(kw))

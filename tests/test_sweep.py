@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -115,3 +116,58 @@ def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):
     assert "driftless: trial objective.name=sc failed: FileExistsError" in captured.err
     assert (out / "objective.name=pg" / "done.json").exists()
     assert "- objective.name=sc: no metrics.jsonl" in captured.out  # the report says which is missing
+
+
+def test_a_reference_is_crossed_with_the_seeds_only(tmp_path):
+    exp = load_experiment(experiment(tmp_path, {"mismatch.view": ["noise:0.1", "noise:0.2"], "train.seed": [0, 1]},
+                                     variants={"pg": {"objective.name": "pg"}, "sc": {"objective.name": "sc"}},
+                                     reference={"mismatch.view": "none"}))
+    trials = {t.name: t for t in exp.trials()}
+    assert len(trials) == 2 * 2 * 2 + 2
+    ref = trials["reference,train.seed=1"]
+    assert ref.values == {"variant": "reference", "train.seed": 1}
+    assert exp.config(ref).mismatch.view == "none" and exp.config(ref).train.seed == 1
+    assert exp.config(trials["sc,mismatch.view=noise:0.2,train.seed=0"]).mismatch.view == "noise:0.2"
+    with pytest.raises(ValueError, match="may not be named 'reference'"):
+        load_experiment(experiment(tmp_path, {"train.seed": [0]}, variants={"reference": {}}, reference={}))
+
+
+def test_every_study_experiment_loads():
+    from driftless.experiments.study import CLAIMS, QUICK, STUDY_DIR
+
+    names = {p.stem for p in STUDY_DIR.glob("*.yaml")}
+    assert names == {c.name for c in (*CLAIMS, QUICK)}
+    for claim in (*CLAIMS, QUICK):
+        exp = load_experiment(STUDY_DIR / f"{claim.name}.yaml")
+        seeds = exp.grid.get("train.seed", [])
+        assert claim.name in ("async", "quick") or len(seeds) >= 3, claim.name  # every claim over 3+ seeds
+        assert exp.reference is not None, claim.name  # every method beside the no-mismatch reference
+
+
+def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped(tmp_path, monkeypatch):
+    from driftless.experiments import study
+
+    exps = tmp_path / "exps"
+    exps.mkdir()
+    common = {"set": SMALL, "reference": {"mismatch.view": "none"}, "grid": {"train.seed": [0]}}
+    (exps / "first.yaml").write_text(yaml.safe_dump({**common, "variants": {"noisy": {"mismatch.view": "noise:0.05"}}}))
+    (exps / "second.yaml").write_text(yaml.safe_dump({**common, "variants": {"stale": {"rollout.lag": 1}}}))
+    monkeypatch.setattr(study, "STUDY_DIR", exps)
+    monkeypatch.setattr(study, "CLAIMS", (study.Claim("first", ("variant",), "a"),
+                                          study.Claim("second", ("variant",), "b")))
+    root = tmp_path / "results"
+    index = study.run_study(root, progress=False, workers=1)
+    log = json.loads((root / "study.json").read_text())
+    assert {k: (v["trials"], v["reused"]) for k, v in log.items()} == {"first": (2, 0), "second": (2, 1)}
+    ref_a, ref_b = root / "first" / "reference,train.seed=0", root / "second" / "reference,train.seed=0"
+    assert (ref_a / "metrics.jsonl").read_bytes() == (ref_b / "metrics.jsonl").read_bytes()
+    assert not (ref_b / "checkpoints").exists()  # the record only: config, metrics, initial eval, done
+    assert "| reference | 1 |" in (root / "second" / "report.md").read_text()
+    assert "[first](first/report.md)" in index.read_text()
+
+    # what a fresh clone holds (the committed records, no checkpoints): nothing is trained again
+    for ckpt in root.glob("*/*/checkpoints"):
+        shutil.rmtree(ckpt)
+    study.run_study(root, progress=False, workers=1)
+    for attempts in root.glob("*/*/attempts.jsonl"):
+        assert json.loads(attempts.read_text().splitlines()[-1])["done_before"] is True

@@ -16,12 +16,14 @@ from driftless.experiments.demo import REPO_CONFIGS, train_many
 from driftless.experiments.report import eval_curve, spread, summarize
 
 # The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
-# configs/default.yaml; the mismatch is always off.
-_N3 = ["task.n_numbers=3", "rollout.prompts_per_step=16", "train.steps=200", "train.eval_every=25",
+# configs/default.yaml; the mismatch is always off. The first ones were tried against the default of
+# their time (numbers up to 9, a 150-step warm start, AdamW 1e-4, 80 steps): _V1 spells it out.
+_V1 = ["task.max_number=9", "warm_start.steps=150", "optim.lr=1e-4", "train.steps=80", "train.checkpoint_every=50"]
+_N3 = [*_V1, "task.n_numbers=3", "rollout.prompts_per_step=16", "train.steps=200", "train.eval_every=25",
        "optim.schedule=constant"]
-_P16 = ["rollout.prompts_per_step=16", "train.eval_every=25", "optim.schedule=constant"]
+_P16 = [*_V1, "rollout.prompts_per_step=16", "train.eval_every=25", "optim.schedule=constant"]
 SETTINGS: dict[str, list[str]] = {
-    "previous-default": ["task.n_numbers=3", "warm_start.steps=1000", "optim.name=sgd", "optim.lr=0.5",
+    "previous-default": [*_V1, "task.n_numbers=3", "warm_start.steps=1000", "optim.name=sgd", "optim.lr=0.5",
                          "optim.schedule=constant", "rollout.prompts_per_step=16", "train.steps=100",
                          "train.eval_every=25"],
     "n3-ws200-adam3e-4": [*_N3, "warm_start.steps=200", "optim.lr=3e-4"],
@@ -33,9 +35,10 @@ SETTINGS: dict[str, list[str]] = {
     "n2-m25-ws300": [*_P16, "task.max_number=25", "warm_start.steps=300", "train.steps=150"],
     "n2-m19-ws500": [*_P16, "task.max_number=19", "warm_start.steps=500", "train.steps=150"],
     "n2-m12-ws200": [*_P16, "task.max_number=12", "warm_start.steps=200", "train.steps=200"],
-    "default-p32-150": ["optim.schedule=constant", "train.steps=150", "train.eval_every=25"],
-    "default-constant-100": ["optim.schedule=constant", "train.steps=100"],
-    "default": [],
+    "default-p32-150": [*_V1, "optim.schedule=constant", "train.steps=150", "train.eval_every=25"],
+    "default-constant-100": [*_V1, "optim.schedule=constant", "train.steps=100"],
+    "default-v1": _V1,  # the default until the 160-step reference (numbers up to 9)
+    "default": [],  # configs/default.yaml: numbers up to 12, 300-step warm start, AdamW 2e-4, 160 steps
 }
 NO_MISMATCH = ["mismatch.view=none", "mismatch.staleness=0", "mismatch.trainer_numerics=fp"]
 

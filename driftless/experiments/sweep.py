@@ -9,6 +9,7 @@ grid over any config keys::
       baseline: {objective.name: pg, mismatch.view: none}
       sc: {objective.name: sc}
     grid: {mismatch.view: ["noise:0.3"], train.seed: [0, 1, 2]}
+    reference: {mismatch.view: none}    # optional: the no-mismatch reference, crossed with the seeds only
 
 Each trial is a normal run directory, ``DIR/<its variant and grid values>/`` (config.yaml,
 metrics.jsonl, checkpoints, report), trained by a Ray Tune function trainable that reports every
@@ -28,6 +29,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,8 @@ class Experiment:
     grid: dict = field(default_factory=dict)
     variants: dict = field(default_factory=dict)
     source: Path | None = None
+    reference: dict | None = None  # one more variant, "reference", crossed with the grid's seed keys only
+
 
     def trials(self) -> list[Trial]:
         keys = list(self.grid)
@@ -65,6 +69,13 @@ class Experiment:
                 overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **vset, **values}.items()]
                 named = {"variant": vname, **values} if vname is not None else values
                 out.append(Trial(",".join(parts).replace("/", "_") or "default", named, overrides))
+        if self.reference is not None:
+            seeds = [k for k in keys if k in SEED_KEYS]
+            for combo in itertools.product(*(self.grid[k] for k in seeds)):
+                values = dict(zip(seeds, combo))
+                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **self.reference, **values}.items()]
+                name = ",".join(["reference"] + [f"{k}={_fmt(v)}" for k, v in values.items()])
+                out.append(Trial(name.replace("/", "_"), {"variant": "reference", **values}, overrides))
         return out
 
     def config(self, trial: Trial) -> RunConfig:
@@ -99,22 +110,25 @@ def load_experiment(path) -> Experiment:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: an experiment file is a mapping with base, set, variants and grid")
-    unknown = sorted(set(data) - {"base", "set", "grid", "variants"})
+    unknown = sorted(set(data) - {"base", "set", "grid", "variants", "reference"})
     if unknown:
-        raise ValueError(f"{path}: unknown key {unknown[0]!r}; an experiment file has base, set, variants, grid")
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; an experiment file has base, set, variants, grid, "
+                         "reference")
     grid = data.get("grid")
     if not grid or not isinstance(grid, dict):
         raise ValueError(f"{path}: the experiment has no grid (grid: {{key: [values, ...]}})")
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"{path}: grid.{key} must be a non-empty list, got {values!r}")
-    for name in ("set", "variants"):
+    for name in ("set", "variants", "reference"):
         if not isinstance(data.get(name) or {}, dict):
             raise ValueError(f"{path}: {name} must be a mapping, got {data[name]!r}")
     variants = data.get("variants") or {}
     for vname, vset in variants.items():
         if not isinstance(vset, dict):
             raise ValueError(f"{path}: variants.{vname} must be a mapping of config keys, got {vset!r}")
+    if "reference" in variants and "reference" in data:
+        raise ValueError(f"{path}: a variant may not be named 'reference' when the file has a reference")
     base = data.get("base")
     if base is not None:
         base = Path(base)
@@ -123,7 +137,9 @@ def load_experiment(path) -> Experiment:
         if not base.exists():
             raise ValueError(f"{path}: base config {data['base']} does not exist (relative to the current "
                              f"folder or to {path.parent})")
-    exp = Experiment(base, data.get("set") or {}, grid, variants, path)
+    reference = data.get("reference")
+    exp = Experiment(base, data.get("set") or {}, grid, variants, path,
+                     None if reference is None and "reference" not in data else dict(reference or {}))
     exp.check()
     return exp
 
@@ -222,18 +238,58 @@ def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, pr
                           progress=progress)
 
 
-def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = None, progress: bool = True) -> dict:
-    """Every trial of ``exp`` (checked by ``load_experiment``, or call ``exp.check()`` first) on ``run_trials``."""
+# what a finished run needs for its reports (and what results/ commits): never checkpoints
+RUN_RECORD = ("config.yaml", "metrics.jsonl", "initial_eval.json", "done.json")
+
+
+def _key(computation: dict | None) -> str:
+    return json.dumps(computation, sort_keys=True, default=str)
+
+
+def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[Path, Path]:
+    """Give each unfinished target the record of a finished run under ``search`` with the very same
+    computation (``config.yaml`` equal but for presentation keys): ``{target: source}`` of those copied.
+
+    A run with the same computation on this machine is the same run, bit for bit (one thread per trial);
+    a record from another machine is that machine's run (fast execution, docs/alignment.md)."""
+    wanted = {_key(_computation(cfg)): Path(p) for p, cfg in targets.items() if not (Path(p) / "done.json").exists()}
+    copied = {}
+    for root in search:
+        for done in sorted(Path(root).glob("**/done.json")) if Path(root).is_dir() else []:
+            source = done.parent
+            target = wanted.get(_key(_saved_computation(source / "config.yaml")))
+            if target is None or target.resolve() == source.resolve():
+                continue
+            if not all((source / f).exists() for f in RUN_RECORD):
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            for f in RUN_RECORD[:-1]:
+                shutil.copy2(source / f, target / f)
+            shutil.copy2(source / "done.json", target / "done.json")  # last: the copy is whole before it counts
+            copied[target] = source
+            wanted = {k: v for k, v in wanted.items() if v != target}
+    return copied
+
+
+def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = None, progress: bool = True,
+                   reuse: list[Path] = ()) -> dict:
+    """Every trial of ``exp`` (checked by ``load_experiment``, or call ``exp.check()`` first) on ``run_trials``;
+    a trial whose computation a finished run under ``reuse`` already made takes that run's record."""
     root = Path(run_dir).resolve()
     trials = exp.trials()
     root.mkdir(parents=True, exist_ok=True)
+    if reuse:
+        reused = reuse_finished({root / t.name: exp.config(t) for t in trials}, list(reuse))
+        if reused and progress:
+            print(f"{len(reused)} trial(s) of {root.name} reuse a finished identical run")
     (root / "sweep.json").write_text(json.dumps({
         "experiment": str(exp.source), "base": str(exp.base) if exp.base else None, "set": exp.set,
-        "variants": exp.variants, "grid": exp.grid,
+        "variants": exp.variants, "grid": exp.grid, "reference": exp.reference,
         "trials": {t.name: {"values": t.values, "overrides": t.overrides} for t in trials}}, indent=2, default=str))
     failed = run_trials(exp.base, {root / t.name: t.overrides for t in trials}, max_concurrent=max_concurrent,
                         progress=progress, storage=root / ".tune")
     return {"trials": [t.name for t in trials], "failed": {Path(p).name: e for p, e in failed.items()},
+            "reused": len(reused) if reuse else 0,
             "run_dir": str(root)}
 
 

@@ -8,9 +8,10 @@ Definitions (docs/diagnostics.md):
 
 - **AUC**: the mean of a run's held-out evaluations, the initial one included.
 - **steps to threshold**: the first evaluation at or above the threshold, halfway from the mean
-  initial held-out reward to the reference group's mean final one (the reference: the group with
-  ``mismatch.view=none`` if there is one, else the group with the best mean final reward); runs
-  that never reach it count as their length and are marked.
+  initial held-out reward to the reference group's mean final one (the reference: the
+  experiment's ``reference`` when it has one, else the group with ``mismatch.view=none`` if there
+  is one, else the group with the best mean final reward); runs that never reach it count as
+  their length and are marked.
 - **collapse step**: the first evaluation below the run's initial held-out reward minus
   ``COLLAPSE_MARGIN`` after which no evaluation recovers above that line; "—" if none.
 """
@@ -70,7 +71,7 @@ def find_runs(sweep_dir: Path) -> tuple[dict[str, dict], list[str], list[str]]:
     problems = []
     if spec.exists():
         data = json.loads(spec.read_text())
-        keys = (["variant"] if data.get("variants") else []) + list(data["grid"])
+        keys = (["variant"] if data.get("variants") or data.get("reference") is not None else []) + list(data["grid"])
         runs = {}
         for name, trial in data["trials"].items():
             if (sweep_dir / name / "metrics.jsonl").exists():
@@ -97,10 +98,14 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
     if unknown:
         raise ValueError(f"report --by {unknown[0]!r}: not a grid key of this sweep ({', '.join(keys)})")
     groups: dict[str, list[dict]] = {}
+    reference = None
     for name, values in runs.items():
-        label = ", ".join(f"{values.get(k)}" for k in by)
+        label = ", ".join("—" if values.get(k) is None else f"{values.get(k)}" for k in by)
         groups.setdefault(label, []).append(run_row(sweep_dir / name))
-    ref = next((g for g, rs in groups.items() if "none" in g.split(", ") and "mismatch.view" in by), None)
+        if values.get("variant") == "reference":
+            reference = label
+    ref = reference if "variant" in by else None
+    ref = ref or next((g for g, rs in groups.items() if "none" in g.split(", ") and "mismatch.view" in by), None)
     ref = ref or max(groups, key=lambda g: statistics.fmean(r["final"] for r in groups[g]))
     start = statistics.fmean(r["initial"] for rs in groups.values() for r in rs)
     threshold = start + 0.5 * (statistics.fmean(r["final"] for r in groups[ref]) - start)

@@ -18,6 +18,7 @@
 | sc+tis         | min(p/q, cap)     | REINFORCE            | weighted  |         | token-mean          |
 | sc+mis         | p/q in band       | REINFORCE            | weighted  |         | token-mean          |
 | sc+kl          | none              | REINFORCE            | top-k     | β KL(q‖p) | token-mean        |
+| sc+tis+kl      | min(p/q, cap)     | REINFORCE            | weighted  | β KL(q‖p) | token-mean        |
 | reinforce-zero | none              | −A p/q (unclipped)   |           |         | seq-mean-token-mean |
 """
 
@@ -154,6 +155,13 @@ def _sc_mis(p):
 @preset("sc+kl", top_k=128, beta=0.2)
 def _sc_kl(p):
     return {"centering": ScoreCentering(top_k=p["top_k"]), "penalties": [SamplerKL(beta=p["beta"])]}
+
+
+@preset("sc+tis+kl", top_k=128, cap=2.0, beta=0.2)
+def _sc_tis_kl(p):
+    """Seed 003's complete recipe: weighted centering under the TIS weight, plus the sampler-KL penalty."""
+    return {"centering": ScoreCentering(top_k=p["top_k"]), "weight": Weight("tis", cap=p["cap"]),
+            "penalties": [SamplerKL(beta=p["beta"])]}
 
 
 @preset("reinforce-zero", reduction="seq-mean-token-mean")

@@ -146,7 +146,7 @@ class TaskSection(_Section):
     name: TaskName = "countdown"
     n_numbers: int = 2  # two numbers: the search is small enough for a 1.6M-parameter model to learn by RL
     min_number: int = 1
-    max_number: int = 9
+    max_number: int = 12  # 393 training / 48 held-out problems; 9 left only 26 held-out (docs/calibration.md)
     max_target: int = 100
     ops: str = "+-*/"
     max_operand: int = 20  # arithmetic only
@@ -208,7 +208,7 @@ class ObjectiveSection(_Section):
 class OptimSection(_Section):
     _name = "optim"
     name: Literal["sgd", "adamw"] = "adamw"
-    lr: float = field(default=1.0e-4, metadata={"above": 0})  # 1e-3 collapses within 10 steps
+    lr: float = field(default=2.0e-4, metadata={"above": 0})  # 1e-3 collapses within 10 steps
     weight_decay: float = _at_least(0.0, 0.0)
     beta1: float = 0.9
     beta2: float = 0.999
@@ -221,7 +221,7 @@ class WarmStartConfig(_Section):
     """Supervised warm start of the built-in model (driftless.train.warmstart)."""
 
     _name = "warm_start"
-    steps: int = _positive(150)  # a weak start leaves headroom; 1000 steps start higher and barely move
+    steps: int = _positive(300)  # held-out 0.36-0.48 over seeds: headroom, and RL finds reward from each
     batch_size: int = _positive(64)
     lr: float = field(default=3e-3, metadata={"above": 0})
     weight_decay: float = _at_least(0.01, 0.0)
@@ -242,11 +242,11 @@ class WarmStartSection(WarmStartConfig):
 @dataclass
 class TrainSection(_Section):
     _name = "train"
-    steps: int = _positive(80)
+    steps: int = _positive(160)
     seed: int = 0
     eval_every: int = _positive(20)
     eval_problems: int = _positive(256)
-    checkpoint_every: int = _positive(50)
+    checkpoint_every: int = _positive(40)
     run_dir: str = "runs/default"
     progress: bool = True
     ppo_epochs: int = _positive(1)  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)

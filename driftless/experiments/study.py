@@ -1,0 +1,115 @@
+"""``driftless study`` (``make study`` / ``make study-quick``): the seeds' comparisons in miniature.
+
+Each claim is one experiment file under ``experiments/study/`` (docs/RESULTS.md reads them): a
+grid of methods × settings × RL seeds beside the no-mismatch ``reference`` of the same seeds, on
+the study's scale (``configs/study.yaml``). The study trains them in order, one sweep each, into
+``results/study/<name>/`` and writes each sweep's report there as soon as it finishes:
+
+- **resumable**: a finished trial (``done.json``) is kept, an unfinished one continues from its
+  checkpoint; the run records (config, metrics, initial eval, done) are small and committed, so an
+  interrupted study continues where it stopped on this machine or on a fresh clone;
+- **no run twice**: a trial whose computation a finished run of another experiment already made
+  (the reference, pg at a shared setting) takes that run's record (``sweep.reuse_finished``);
+- **timed**: ``results/study/study.json`` records each experiment's trials, reused trials and the
+  wall time this machine spent on it.
+
+``--quick`` runs ``experiments/study/quick.yaml`` alone into ``runs/study-quick`` (nothing reused):
+the headline in under 20 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from driftless.experiments.sweep import load_experiment, run_experiment
+from driftless.experiments.sweep_report import write_sweep_report
+
+REPO = Path(__file__).resolve().parents[2]
+STUDY_DIR = REPO / "experiments" / "study"
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str  # experiments/study/<name>.yaml → results/study/<name>/
+    by: tuple[str, ...]  # the report's grouping (seeds pooled)
+    what: str
+
+
+CLAIMS = (
+    Claim("calibration", ("variant", "mismatch.view"),
+          "pg against the reference at each candidate severity: where does uncorrected training degrade?"),
+    Claim("noise", ("variant", "mismatch.view"),
+          "sampler weight noise, three scales: collapse comes earlier as mismatch grows; at the largest only SC "
+          "(alone, +TIS, +MIS) trains stably (seed 003 §5.2)"),
+    Claim("quantized", ("variant", "mismatch.view"),
+          "quantized sampler (W8A8 with a 4-bit KV cache; fp8): SC alone or with TIS/MIS performs best (§5.3)"),
+    Claim("staleness", ("variant", "rollout.lag"),
+          "severe staleness, deterministic lag 4 and 16: the compositions dominate (§5.3)"),
+    Claim("async", ("variant",), "asynchronous collection at η = 4, one run per method: wall time"),
+    Claim("offline-online", ("variant",),
+          "Figure 2: offline (a never-refreshed sampler) vs online × reward modes under sampler noise (§3)"),
+    Claim("reinforce-zero", ("variant",),
+          "REINFORCE Zero: aligned vs fast execution × lag 0 / 2 / 8 with unclipped token IS (seed 000 §5)"),
+    Claim("topk", ("variant",), "top-k score centering, k = 1 / 4 / 16 / full vocabulary (seed 003 A.4)"),
+    Claim("sampler-kl", ("variant",), "SC with the sampler-KL penalty, β sweep including 0"),
+    Claim("recipes", ("variant",), "complete recipes at one budget, held-out reward against wall time (seed 000 §6.4)"),
+)
+QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
+
+
+def claims(only: list[str] | None = None) -> list[Claim]:
+    names = [c.name for c in CLAIMS]
+    unknown = [n for n in (only or []) if n not in names]
+    if unknown:
+        raise ValueError(f"unknown study experiment(s) {unknown}; choose from {', '.join(names)}")
+    return [c for c in CLAIMS if not only or c.name in only]
+
+
+def run_study(root="results/study", *, only: list[str] | None = None, quick: bool = False,
+              workers: int | None = None, progress: bool = True, reuse: bool = True) -> Path:
+    """Train (or continue) each experiment of the study in order, writing its report as it finishes;
+    the path of the study's index (``root/README.md``)."""
+    root = Path(root)
+    todo = [QUICK] if quick else claims(only)
+    exps = {c.name: load_experiment(STUDY_DIR / f"{c.name}.yaml") for c in todo}  # every file checked first
+    log_path = root / "study.json"
+    root.mkdir(parents=True, exist_ok=True)
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    for claim in todo:
+        t0 = time.time()
+        out = run_experiment(exps[claim.name], root / claim.name, max_concurrent=workers, progress=progress,
+                             reuse=[root] if reuse else [])
+        spent = time.time() - t0
+        entry = log.get(claim.name, {"wall_s": 0.0})
+        log[claim.name] = {"trials": len(out["trials"]), "reused": out["reused"], "failed": out["failed"],
+                           "wall_s": round(entry["wall_s"] + spent, 1)}
+        log_path.write_text(json.dumps(log, indent=2))
+        if out["failed"]:
+            raise RuntimeError(f"study {claim.name}: trials failed: "
+                               + "; ".join(f"{k}: {v}" for k, v in out["failed"].items()))
+        write_sweep_report(root / claim.name, by=list(claim.by))
+        if progress:
+            print(f"study: {claim.name} done ({len(out['trials'])} trials, {out['reused']} reused, {spent:.0f} s); "
+                  f"its record: {root / claim.name}/report.md")
+    return write_index(root, log)
+
+
+def write_index(root: Path, log: dict) -> Path:
+    total = sum(v["wall_s"] for v in log.values())
+    lines = ["# The study's runs", "",
+             ("One folder per experiment (`experiments/study/<name>.yaml`); each holds its sweep report "
+              "(`report.md`, `plots/`) and one record per run (config, metrics, initial evaluation). The reading "
+              "of each is in docs/RESULTS.md. Regenerate with `make study` (resumable; finished runs are kept)."), "",
+             "| experiment | claim | trials | reused | wall time on the machine that ran it |", "|---|---|---|---|---|"]
+    for claim in (*CLAIMS, QUICK):
+        entry = log.get(claim.name)
+        if entry:
+            lines.append(f"| [{claim.name}]({claim.name}/report.md) | {claim.what} | {entry['trials']} | "
+                         f"{entry['reused']} | {entry['wall_s'] / 60:.0f} min |")
+    lines += ["", f"Total: {total / 3600:.2f} h of wall time on 2 cores (two runs at a time, one thread each).", ""]
+    path = root / "README.md"
+    path.write_text("\n".join(lines))
+    return path
