@@ -118,6 +118,10 @@ def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):
     assert "- objective.name=sc: no metrics.jsonl" in captured.out  # the report says which is missing
 
 
+def final(run_dir):
+    return [x for x in lines(run_dir) if "eval_reward" in x][-1]["eval_reward"]
+
+
 def test_a_reference_is_crossed_with_the_seeds_only(tmp_path):
     exp = load_experiment(experiment(tmp_path, {"mismatch.view": ["noise:0.1", "noise:0.2"], "train.seed": [0, 1]},
                                      variants={"pg": {"objective.name": "pg"}, "sc": {"objective.name": "sc"}},
@@ -162,7 +166,11 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     ref_a, ref_b = root / "first" / "reference,train.seed=0", root / "second" / "reference,train.seed=0"
     assert (ref_a / "metrics.jsonl").read_bytes() == (ref_b / "metrics.jsonl").read_bytes()
     assert not (ref_b / "checkpoints").exists()  # the record only: config, metrics, initial eval, done
-    assert "| reference | 1 |" in (root / "second" / "report.md").read_text()
+    report = (root / "second" / "report.md").read_text()
+    assert "| reference | 1 |" in report
+    stale = next(line for line in report.splitlines() if line.startswith("| stale | 1 |"))
+    delta = final(root / "second" / "stale,train.seed=0") - final(ref_b)  # paired with the same seed's reference
+    assert f"| {delta:+.3f} ({int(delta < 0)} of 1 below) |" in stale
     assert "[first](first/report.md)" in index.read_text()
 
     # what a fresh clone holds (the committed records, no checkpoints): nothing is trained again

@@ -291,6 +291,10 @@ def test_demo_reading_is_computed_from_its_runs():
         "sc ends above pg in 1 of 2 runs (margin mean +0.125, worst -0.050)",
         "sc's mean KL(q‖p) is below pg's in 1 of 2 runs (margin mean +3.00e-02, worst -1.00e-02)",
     ]
+    one = reading({"baseline": runs((0.2, 0.6, 0.0)), "pg": runs((0.2, 0.1, 0.08))})
+    assert one[0] == ("the baseline (no mismatch) ends above its start: yes (margin +0.400; one run: see "
+                      "docs/calibration.md for 3 × 3)")
+    assert one[2].startswith("pg ends below the baseline: yes (margin +0.500")
 
 
 def test_demo_check_over_warm_starts_resumes_and_reads(tmp_path, capsys):

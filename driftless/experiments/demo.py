@@ -103,6 +103,8 @@ def _count(pairs) -> tuple[int, int, float, float]:
 
 
 def _claim(text: str, k: int, n: int, mean: float, worst: float, fmt: str = "+.3f") -> str:
+    if n == 1:
+        return f"{text}: {'yes' if k else 'no'} (margin {mean:{fmt}}; one run: see docs/calibration.md for 3 × 3)"
     verdict = f"in all {n} runs" if k == n else ("in none of the runs" if k == 0 else f"in {k} of {n} runs")
     return f"{text} {verdict} (margin mean {mean:{fmt}}, worst {worst:{fmt}})"
 

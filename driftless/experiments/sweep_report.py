@@ -101,7 +101,9 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
     reference = None
     for name, values in runs.items():
         label = ", ".join("—" if values.get(k) is None else f"{values.get(k)}" for k in by)
-        groups.setdefault(label, []).append(run_row(sweep_dir / name))
+        row = run_row(sweep_dir / name)
+        row["seeds"] = tuple(values.get(k) for k in SEED_KEYS)
+        groups.setdefault(label, []).append(row)
         if values.get("variant") == "reference":
             reference = label
     ref = reference if "variant" in by else None
@@ -114,10 +116,19 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
              f"Threshold {threshold:.3f} (halfway from the mean initial held-out reward to `{ref}`'s mean final); "
              f"collapse: held-out reward below its start − {COLLAPSE_MARGIN} for good. Regenerate with "
              f"`driftless report {sweep_dir}`."), "",
-             (f"| {' / '.join(by)} | runs | final eval | best eval | AUC | steps to threshold | collapse step | "
-              "mean KL(q‖p) | mean D2 | mean p99 p/q | stale rows dropped | masked fraction | wall s | tokens/s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             (f"Δ vs `{ref}`: final held-out reward minus that of the `{ref}` run with the same seeds; "
+              "how many runs end below it."), "",
+             (f"| {' / '.join(by)} | runs | final eval | Δ vs `{ref}` | best eval | AUC | steps to threshold | "
+              "collapse step | mean KL(q‖p) | mean D2 | mean p99 p/q | stale rows dropped | masked fraction | wall s | "
+              "tokens/s |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref_final = {r["seeds"]: r["final"] for r in groups[ref]}
+    if len(ref_final) != len(groups[ref]):  # the reference group pools runs of the same seeds: no pairing
+        ref_final = {}
     for label, rs in groups.items():
+        deltas = [r["final"] - ref_final[r["seeds"]] for r in rs if r["seeds"] in ref_final]
+        delta = "—" if label == ref or not deltas else (
+            f"{spread(deltas, '+.3f')} ({sum(d < 0 for d in deltas)} of {len(deltas)} below)")
         reached = [next((x for x, y in zip(*r["curve"]) if y >= threshold), None) for r in rs]
         to_thr = spread([x if x is not None else r["steps"] for x, r in zip(reached, rs)], ".0f")
         never = sum(x is None for x in reached)
@@ -125,7 +136,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
         collapsed = [r["collapse"] for r in rs if r["collapse"] is not None]
         col = f"{spread(collapsed, '.0f')} ({len(collapsed)} of {len(rs)})" if collapsed else "—"
         lines.append(
-            f"| {label} | {len(rs)} | {spread([r['final'] for r in rs], '.3f')} | "
+            f"| {label} | {len(rs)} | {spread([r['final'] for r in rs], '.3f')} | {delta} | "
             f"{spread([r['best'] for r in rs], '.3f')} | {spread([r['auc'] for r in rs], '.3f')} | {to_thr} | "
             f"{col} | {spread([r['kl'] for r in rs], '.2e')} | {spread([r['d2'] for r in rs], '.2e')} | "
             f"{spread([r['p99'] for r in rs], '.3g')} | {spread([r['stale'] for r in rs], '.0f')} | "
