@@ -291,6 +291,12 @@ def test_demo_reading_is_computed_from_its_runs():
         "sc ends above pg in 1 of 2 runs (margin mean +0.125, worst -0.050)",
         "sc's mean KL(q‖p) is below pg's in 1 of 2 runs (margin mean +3.00e-02, worst -1.00e-02)",
     ]
+    with_auc = reading({"baseline": [{"initial_eval": 0.2, "final_eval": 0.6, "mean_kl_k3": 0.0, "auc": 0.5}] * 2,
+                        "pg": [{"initial_eval": 0.2, "final_eval": 0.65, "mean_kl_k3": 0.1, "auc": 0.45},
+                               {"initial_eval": 0.2, "final_eval": 0.3, "mean_kl_k3": 0.1, "auc": 0.3}]})
+    assert with_auc[2] == "pg ends below the baseline in 1 of 2 runs (margin mean +0.125, worst -0.050)"
+    assert with_auc[3] == ("pg's mean held-out reward over the run is below the baseline's in all 2 runs "
+                           "(margin mean +0.125, worst +0.050)")
     one = reading({"baseline": runs((0.2, 0.6, 0.0)), "pg": runs((0.2, 0.1, 0.08))})
     assert one[0] == ("the baseline (no mismatch) ends above its start: yes (margin +0.400; one run: see "
                       "docs/calibration.md for 3 × 3)")

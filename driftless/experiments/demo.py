@@ -113,9 +113,12 @@ def reading(summaries: dict[str, list[dict]]) -> list[str]:
     """The demo's reading, stated from its own numbers: who learns, who ends where, in how many runs.
 
     ``summaries[method][i]``: the ``summarize`` dict of run i (runs with the same i share warm start
-    and seed). Every claim says in how many runs it held and by what margin."""
+    and seed), with ``auc`` (the mean held-out reward over the run) where known. Every claim says in
+    how many runs it held and by what margin."""
     claims = []
     finals = {m: [x["final_eval"] for x in s] for m, s in summaries.items()}
+    # the run's mean held-out reward (AUC): less at the mercy of one last evaluation than the final one
+    aucs = {m: [x["auc"] for x in s] for m, s in summaries.items() if all("auc" in x for x in s)}
     if "baseline" in summaries:
         k, n, mean, worst = _count([(x["final_eval"], x["initial_eval"]) for x in summaries["baseline"]])
         claims.append(_claim("the baseline (no mismatch) ends above its start", k, n, mean, worst))
@@ -127,12 +130,19 @@ def reading(summaries: dict[str, list[dict]]) -> list[str]:
         if "baseline" in summaries:
             k, n, mean, worst = _count(list(zip(finals["baseline"], finals[m])))
             claims.append(_claim(f"{m} ends below the baseline", k, n, mean, worst))
+            if m in aucs and "baseline" in aucs:
+                k, n, mean, worst = _count(list(zip(aucs["baseline"], aucs[m])))
+                claims.append(_claim(f"{m}'s mean held-out reward over the run is below the baseline's", k, n, mean,
+                                     worst))
     if "pg" in summaries:
         for m, runs in summaries.items():
             if m in ("baseline", "pg"):
                 continue
             k, n, mean, worst = _count(list(zip(finals[m], finals["pg"])))
             claims.append(_claim(f"{m} ends above pg", k, n, mean, worst))
+            if m in aucs and "pg" in aucs:
+                k, n, mean, worst = _count(list(zip(aucs[m], aucs["pg"])))
+                claims.append(_claim(f"{m}'s mean held-out reward over the run is above pg's", k, n, mean, worst))
             kls = [(x["mean_kl_k3"], y["mean_kl_k3"]) for x, y in zip(summaries["pg"], runs)]
             k, n, mean, worst = _count(kls)
             claims.append(_claim(f"{m}'s mean KL(q‖p) is below pg's", k, n, mean, worst, "+.2e"))

@@ -57,6 +57,7 @@ def run_row(run_dir: Path) -> dict:
         "initial": ys[0], "final": ys[-1], "best": max(ys), "auc": statistics.fmean(ys),
         "collapse": collapse_step(xs, ys), "steps": len(rows),
         "kl": mean("kl_k3"), "d2": mean("renyi_d2"), "p99": mean("ratio_p99"),
+        "movement": mean("eq1_movement_abs"), "disagreement": mean("eq1_disagreement_abs"),
         "masked": mean("masked_fraction"), "stale": rows[-1].get("stale_rows_dropped", 0),
         "wall": rows[-1].get("wall_time", float("nan")), "tokens_per_s": mean("tokens_per_s"),
     }
@@ -119,9 +120,9 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
              (f"Δ vs `{ref}`: final held-out reward minus that of the `{ref}` run with the same seeds; "
               "how many runs end below it."), "",
              (f"| {' / '.join(by)} | runs | final eval | Δ vs `{ref}` | best eval | AUC | steps to threshold | "
-              "collapse step | mean KL(q‖p) | mean D2 | mean p99 p/q | stale rows dropped | masked fraction | wall s | "
-              "tokens/s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "collapse step | mean KL(q‖p) | mean D2 | mean p99 p/q | Eq. 1 mean abs movement / disagreement | "
+              "stale rows dropped | masked fraction | wall s | tokens/s |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref_final = {r["seeds"]: r["final"] for r in groups[ref]}
     if len(ref_final) != len(groups[ref]):  # the reference group pools runs of the same seeds: no pairing
         ref_final = {}
@@ -139,7 +140,8 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
             f"| {label} | {len(rs)} | {spread([r['final'] for r in rs], '.3f')} | {delta} | "
             f"{spread([r['best'] for r in rs], '.3f')} | {spread([r['auc'] for r in rs], '.3f')} | {to_thr} | "
             f"{col} | {spread([r['kl'] for r in rs], '.2e')} | {spread([r['d2'] for r in rs], '.2e')} | "
-            f"{spread([r['p99'] for r in rs], '.3g')} | {spread([r['stale'] for r in rs], '.0f')} | "
+            f"{spread([r['p99'] for r in rs], '.3g')} | {spread([r['movement'] for r in rs], '.1e')} / "
+            f"{spread([r['disagreement'] for r in rs], '.1e')} | {spread([r['stale'] for r in rs], '.0f')} | "
             f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
             f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
     if problems:
