@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
