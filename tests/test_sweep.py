@@ -146,6 +146,7 @@ def test_every_study_experiment_loads():
         seeds = exp.grid.get("train.seed", [])
         assert claim.name in ("async", "quick") or len(seeds) >= 3, claim.name  # every claim over 3+ seeds
         assert exp.reference is not None, claim.name  # every method beside the no-mismatch reference
+        assert set(claim.by) <= {"variant", *exp.grid}, claim.name  # the report groups by keys it has
 
 
 def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ class Claim:
 
 
 CLAIMS = (
-    Claim("calibration", ("variant", "mismatch.view"),
+    Claim("calibration", ("variant",),
           "pg against the reference at each candidate severity: where does uncorrected training degrade?"),
     Claim("noise", ("variant", "mismatch.view"),
           "sampler weight noise, three scales: collapse comes earlier as mismatch grows; at the largest only SC "
