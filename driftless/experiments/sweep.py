@@ -57,7 +57,6 @@ class Experiment:
     source: Path | None = None
     reference: dict | None = None  # one more variant, "reference", crossed with the grid's seed keys only
 
-
     def trials(self) -> list[Trial]:
         keys = list(self.grid)
         variants = list(self.variants.items()) or [(None, {})]
