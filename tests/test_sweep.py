@@ -180,3 +180,7 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     study.run_study(root, progress=False, workers=1)
     for attempts in root.glob("*/*/attempts.jsonl"):
         assert json.loads(attempts.read_text().splitlines()[-1])["done_before"] is True
+
+    (root / "first" / "noisy,train.seed=0" / "done.json").unlink()  # as if killed midway: out of the table, named
+    report = write_sweep_report(root / "first", by=["variant"]).read_text()
+    assert "- noisy,train.seed=0: unfinished (6 steps so far)" in report and "| noisy |" not in report

@@ -75,8 +75,11 @@ def find_runs(sweep_dir: Path) -> tuple[dict[str, dict], list[str], list[str]]:
         keys = (["variant"] if data.get("variants") or data.get("reference") is not None else []) + list(data["grid"])
         runs = {}
         for name, trial in data["trials"].items():
-            if (sweep_dir / name / "metrics.jsonl").exists():
+            if (sweep_dir / name / "done.json").exists():
                 runs[name] = trial["values"]
+            elif (sweep_dir / name / "metrics.jsonl").exists():
+                steps = len((sweep_dir / name / "metrics.jsonl").read_text().splitlines())
+                problems.append(f"{name}: unfinished ({steps} steps so far)")
             else:
                 problems.append(f"{name}: no metrics.jsonl (not run yet, or failed before its first step)")
         return runs, keys, problems
