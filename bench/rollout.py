@@ -1,11 +1,22 @@
 """Sampler throughput (fast / aligned / transformers generate) and the cost of alignment; prints JSON.
 
-    .venv/bin/python bench/rollout.py                      # batch 16, prompt 8, 64 new tokens
-    .venv/bin/python bench/rollout.py --batch 64 --new-tokens 96
+    .venv/bin/python bench/rollout.py                      # batch 16, prompt 8, 64 new tokens, 7 rounds
+    .venv/bin/python bench/rollout.py --batch 64 --new-tokens 96 --threads 1
+
+Three executions of TinyLM (default sizes): ``fast``, ``aligned`` (the fused aligned pieces,
+``driftless.ops.fuse``) and ``aligned_eager`` (the same bits, each op its own kernel: what
+aligned execution cost before fusion, and what it costs where inductor cannot build). Each
+measurement (sampler decode, full forward, forward + backward) runs in ``--repeats`` rounds, the
+executions interleaved within a round so that load on the machine hits all of them alike; the
+JSON gives each one's median and range and each ratio's median and range over the rounds.
+
+``ops_per_decode_step``: what one decode step dispatches from Python (one aten call or one
+compiled-graph call each; ops inside a compiled graph are fused loops and do not count). The
+FLOP-bound estimate is 2 · parameters per token against a measured float32 GEMM rate.
 
 The transformers model is a Qwen3 config with TinyLM's default sizes (hidden 192, 4 layers,
 3 heads of 64, 1 KV head, FFN 512, vocabulary 64), randomly initialised; both generate exactly
---new-tokens tokens per row (no EOS), temperature 1, no filtering. Median of --repeats.
+--new-tokens tokens per row (no EOS), temperature 1, no filtering.
 """
 
 from __future__ import annotations
@@ -13,9 +24,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
-from _timing import timed
+
+MODES = ("fast", "aligned", "aligned_eager")
+
+
+def top_level_ops(fn) -> dict:
+    """Calls ``fn`` under the profiler; counts the ops dispatched from Python (not those inside them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    aten = graphs = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith(("aten::", "## Call CompiledFxGraph")):
+            parent = parent.cpu_parent
+        if parent is not None:
+            continue
+        if e.name.startswith("aten::"):
+            aten += 1
+        elif e.name.startswith("## Call CompiledFxGraph"):
+            graphs += 1
+    return {"aten_ops": aten, "compiled_graphs": graphs, "total": aten + graphs}
+
+
+def gemm_gflops(threads: int) -> float:
+    a, b = torch.randn(1024, 512), torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    n, t0 = 50, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    return 2 * 1024 * 512 * 512 * n / (time.perf_counter() - t0) / 1e9
+
+
+def summary(times: list[float]) -> dict:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
 def main() -> None:
@@ -23,66 +71,123 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7, help="rounds (each mode once per round, after a warm-up)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
+    for name in ("batch", "prompt_len", "new_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
 
     from driftless.models import TinyLM, TinyLMConfig
+    from driftless.ops.fuse import fused_enabled, fusion_failure, set_fused
     from driftless.rollout import Sampler, SamplingParams, Snapshot
 
     config = TinyLMConfig()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, config.vocab_size, (args.batch, args.prompt_len), generator=g)
+    full = torch.randint(2, config.vocab_size, (args.batch, args.prompt_len + args.new_tokens), generator=g)
     params = SamplingParams()
     n_tokens = args.batch * args.new_tokens
-    out: dict = {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                 "threads": args.threads, "torch": torch.__version__}
-
     base = TinyLM(config)
     base.reset_parameters(seed=0)
-    seconds = {}
-    for mode in ("fast", "aligned"):
-        model = TinyLM(config, execution=mode)
+    n_params = sum(p.numel() for p in base.parameters())
+
+    def fused_for(mode):
+        set_fused(False if mode == "aligned_eager" else None)
+
+    models, samplers = {}, {}
+    for mode in MODES:
+        fused_for(mode)
+        model = TinyLM(config, execution="fast" if mode == "fast" else "aligned")
         model.load_state_dict(base.state_dict())
-        sampler = Sampler(model, head_k=32)
-        sampler.load(Snapshot.of(base, 0))
-        seconds[f"sampler_{mode}"] = timed(
-            lambda sampler=sampler: sampler.generate(prompts.tolist(), params, args.new_tokens, seed=1), args.repeats)
-        full = torch.randint(2, config.vocab_size, (args.batch, args.prompt_len + args.new_tokens), generator=g)
+        models[mode] = model
+        samplers[mode] = Sampler(model, head_k=32)
+        samplers[mode].load(Snapshot.of(base, 0))
+
+    def forward_backward(model):
+        model.zero_grad(set_to_none=True)
+        torch.log_softmax(model(full), -1).mean().backward()
+
+    jobs = {
+        "sampler": lambda m: samplers[m].generate(prompts.tolist(), params, args.new_tokens, seed=1),
+        "forward": lambda m: torch.no_grad()(models[m])(full),
+        "forward_backward": lambda m: forward_backward(models[m]),
+    }
+    times = {job: {m: [] for m in MODES} for job in jobs}
+    compile_s = {}
+    for job, fn in jobs.items():
+        for mode in MODES:  # warm-up (and, for the fused path, the compiles)
+            fused_for(mode)
+            t0 = time.perf_counter()
+            fn(mode)
+            compile_s[f"{job}_{mode}_first_call"] = time.perf_counter() - t0
+        for _ in range(args.repeats):
+            for mode in MODES:
+                fused_for(mode)
+                t0 = time.perf_counter()
+                fn(mode)
+                times[job][mode].append(time.perf_counter() - t0)
+
+    ops = {}
+    for mode in MODES:
+        fused_for(mode)
+        model = models[mode]
+        cache = model.new_cache(args.batch)
         with torch.no_grad():
-            seconds[f"forward_{mode}"] = timed(lambda model=model, full=full: model(full), args.repeats)
+            model.prefill(prompts, torch.full((args.batch,), args.prompt_len), cache)
+            step = prompts[:, -1]
+            pos = torch.full((args.batch,), args.prompt_len)
+            model.decode(step, pos, cache)  # warm
+            ops[mode] = top_level_ops(lambda model=model, cache=cache, step=step, pos=pos: model.decode(step, pos + 1, cache))
+    set_fused(None)
 
-        def fwd_bwd(model=model, full=full):
-            model.zero_grad(set_to_none=True)
-            torch.log_softmax(model(full), -1).mean().backward()
-        seconds[f"forward_backward_{mode}"] = timed(fwd_bwd, args.repeats)
+    out: dict = {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                 "threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
+                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                 "fused_available": fused_enabled(), "fusion_failure": fusion_failure()}
+    out["seconds"] = {job: {m: summary(v) for m, v in by_mode.items()} for job, by_mode in times.items()}
+    out["first_call_seconds"] = compile_s
+    out["ratios"] = {}
+    for job, by_mode in times.items():
+        for mode in ("aligned", "aligned_eager"):
+            per_round = [a / f for a, f in zip(by_mode[mode], by_mode["fast"])]
+            out["ratios"][f"{job}_{mode}_vs_fast"] = {
+                "of_medians": statistics.median(by_mode[mode]) / statistics.median(by_mode["fast"]),
+                "per_round_min": min(per_round), "per_round_max": max(per_round)}
+    out["ops_per_decode_step"] = ops
+    out["tokens_per_second"] = {f"sampler_{m}": n_tokens / statistics.median(times["sampler"][m]) for m in MODES}
+    gflops = gemm_gflops(args.threads)
+    out["flop_bound"] = {"params": n_params, "fp32_gemm_gflops": gflops,
+                         "tokens_per_second_if_gemm_bound": gflops * 1e9 / (2 * n_params)}
 
-    try:
-        from driftless.models.hf import HFPolicy, tiny_qwen3_config
+    if not args.no_transformers:
+        try:
+            from driftless.models.hf import HFPolicy, tiny_qwen3_config
+        except ImportError:
+            pass
+        else:
+            hf = HFPolicy(tiny_qwen3_config(vocab_size=config.vocab_size, hidden=config.d_model,
+                                            layers=config.n_layer, heads=config.n_head, kv_heads=config.n_kv_head,
+                                            intermediate=config.d_ff, max_positions=config.max_seq_len)).model
+            mask = torch.ones_like(prompts)
 
-        hf = HFPolicy(tiny_qwen3_config(vocab_size=config.vocab_size, hidden=config.d_model, layers=config.n_layer,
-                                        heads=config.n_head, kv_heads=config.n_kv_head, intermediate=config.d_ff,
-                                        max_positions=config.max_seq_len)).model
-        mask = torch.ones_like(prompts)
-
-        def hf_generate():
-            with torch.no_grad():
-                hf.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                            temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                            pad_token_id=0, eos_token_id=None)
-        seconds["transformers_generate"] = timed(hf_generate, args.repeats)
-    except ImportError:
-        pass
-
-    out["seconds"] = seconds
-    out["tokens_per_second"] = {k: n_tokens / v for k, v in seconds.items()
-                                if k.startswith(("sampler", "transformers"))}
-    if "transformers_generate" in seconds:
-        out["speedup_vs_transformers_generate"] = seconds["transformers_generate"] / seconds["sampler_fast"]
-    out["aligned_vs_fast_forward_ratio"] = seconds["forward_aligned"] / seconds["forward_fast"]
-    out["aligned_vs_fast_forward_backward_ratio"] = seconds["forward_backward_aligned"] / seconds["forward_backward_fast"]
-    out["aligned_vs_fast_decode_ratio"] = seconds["sampler_aligned"] / seconds["sampler_fast"]
+            def hf_generate():
+                with torch.no_grad():
+                    hf.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                                temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                pad_token_id=0, eos_token_id=None)
+            hf_generate()
+            hf_times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                hf_generate()
+                hf_times.append(time.perf_counter() - t0)
+            out["seconds"]["transformers_generate"] = summary(hf_times)
+            out["tokens_per_second"]["transformers_generate"] = n_tokens / statistics.median(hf_times)
+            out["sampler_fast_speedup_vs_transformers_generate"] = (
+                statistics.median(hf_times) / statistics.median(times["sampler"]["fast"]))
     print(json.dumps(out, indent=2))
 
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The suite runs aligned execution eager (the definitions) and checks the fused, compiled pieces against
+# it in test_fuse.py, including across processes and kernel sets: compiling in every test and subprocess
+# would cost minutes. Subprocesses inherit this. A test that wants fusion sets the variable itself.
+os.environ.setdefault("DRIFTLESS_FUSED_ALIGNED", "0")
 
 
 def run_until_killed(run, at_step: int) -> None:

@@ -102,7 +102,10 @@ def test_a_killed_sweep_resumes_where_it_stopped_and_matches_an_uninterrupted_on
     for row in ("| noisy, pg | 1 |", "| stale, sc | 1 |"):
         assert row in report
     assert (b / "plots" / "eq1.png").exists() and (b / "plots" / "eval_reward.png").exists()
+    assert "![eval_reward_panels](plots/eval_reward_panels.png)" in report  # two grouping keys: a panel per value
+    (b / "plots" / "eval_reward_panels.png").unlink()
     by_variant = write_sweep_report(b, by=["variant"]).read_text()
+    assert "panels" not in by_variant and not (b / "plots" / "eval_reward_panels.png").exists()
     assert "| noisy | 2 |" in by_variant and "| stale | 2 |" in by_variant
 
 

@@ -170,22 +170,31 @@ _BATCH_FIELDS = ("tokens", "prompt_len", "length", "action_mask", "sampler_logp"
 def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
     """One side of the cross-process check (``python -m driftless.experiments.alignment ...``)."""
     from driftless.models import load_model
+    from driftless.ops.fuse import fused_enabled
 
     job = torch.load(job_path, weights_only=False)
     policy, version = load_model(model_path, execution=job["execution"])
     info = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    if role not in ("sample", "score"):
+        raise ValueError(f"role must be 'sample' or 'score', got {role!r}")
+    info["fused"] = fused_enabled()  # updated below: a failed build falls back to eager
+    if info["fused"]:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()  # what inductor vectorises for (it follows ATEN_CPU_CAPABILITY)
+        info["inductor_isa"] = str(isa) if isa else "scalar"
     if role == "sample":
         sampler = Sampler(policy, head_k=job["head_k"])
         sampler.load(Snapshot.of(policy, version))
         batch = sampler.generate(job["prompts"], job["params"], job["max_new_tokens"], seed=job["seed"])
+        info["fused"] = fused_enabled()
         torch.save({"batch": {f: getattr(batch, f) for f in _BATCH_FIELDS}, "info": info}, out_path)
     elif role == "score":
         fields = torch.load(job["batch_path"], weights_only=False)["batch"]
         batch = RolloutBatch(**fields, sampling=job["params"])
         logp, head = _score_in_groups(policy, batch, [2, 5, 1])
+        info["fused"] = fused_enabled()
         torch.save({"logp": logp, "head": head, "info": info}, out_path)
-    else:
-        raise ValueError(f"role must be 'sample' or 'score', got {role!r}")
 
 
 def cross_process_check(model, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,

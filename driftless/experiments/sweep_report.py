@@ -102,9 +102,11 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
     if unknown:
         raise ValueError(f"report --by {unknown[0]!r}: not a grid key of this sweep ({', '.join(keys)})")
     groups: dict[str, list[dict]] = {}
+    group_values: dict[str, tuple] = {}
     reference = None
     for name, values in runs.items():
         label = ", ".join("—" if values.get(k) is None else f"{values.get(k)}" for k in by)
+        group_values[label] = tuple(values.get(k) for k in by)
         row = run_row(sweep_dir / name)
         row["seeds"] = tuple(values.get(k) for k in SEED_KEYS)
         groups.setdefault(label, []).append(row)
@@ -150,6 +152,8 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
     if problems:
         lines += ["", "Not in the table:", "", *[f"- {p}" for p in problems]]
     plots = _plots(sweep_dir / "plots", groups)
+    if len(by) >= 2:
+        plots.append(_panels(sweep_dir / "plots", groups, group_values, ref, by))
     lines += ["", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
     out = sweep_dir / "report.md"
     out.write_text("\n".join(lines))
@@ -183,10 +187,10 @@ def _plots(out: Path, groups: dict[str, list[dict]]) -> list[Path]:
     for a, xl in zip(ax, ("step", "wall time (s)")):
         a.set_xlabel(xl)
         a.set_ylabel("held-out reward")
-        a.legend(fontsize=7)
+    _legend(ax[-1], len(groups))
     fig.tight_layout()
     paths.append(out / "eval_reward.png")
-    fig.savefig(paths[-1], dpi=90)
+    fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
     plt.close(fig)
     for name, keys in (("divergence", ("kl_k3", "renyi_d2")), ("eq1", ("eq1_movement_abs", "eq1_disagreement_abs"))):
         fig, ax = plt.subplots(1, 2, figsize=(12, 4))
@@ -196,9 +200,45 @@ def _plots(out: Path, groups: dict[str, list[dict]]) -> list[Path]:
                       label)
             a.set_xlabel("step")
             a.set_ylabel(key)
-            a.legend(fontsize=7)
+        _legend(ax[-1], len(groups))
         fig.tight_layout()
         paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=90)
+        fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
         plt.close(fig)
     return paths
+
+
+def _legend(ax, n: int) -> None:
+    """One legend beside the figure (many groups would cover the curves), in columns of at most 20."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=max(1, -(-n // 20)))
+
+
+def _panels(out: Path, groups: dict[str, list[dict]], group_values: dict[str, tuple], ref: str,
+            by: list[str]) -> Path:
+    """Held-out reward per step, one panel per value of the last grouping key (e.g. each noise scale),
+    one line per value of the others, the reference (dashed, black) in every panel."""
+    facets = sorted({v[-1] for label, v in group_values.items() if label != ref and v[-1] is not None}, key=str)
+    fig, axes = plt.subplots(1, len(facets), figsize=(4.2 * len(facets), 3.6), sharey=True, squeeze=False)
+    names = list(dict.fromkeys(", ".join(str(x) for x in v[:-1]) for label, v in group_values.items() if label != ref))
+    colors = {name: plt.cm.tab10(i % 10) if len(names) <= 10 else plt.cm.tab20(i % 20) for i, name in enumerate(names)}
+    for ax, facet in zip(axes[0], facets):
+        for label, rs in groups.items():
+            values = group_values[label]
+            if label == ref:
+                xs, ys = [r["curve"][0] for r in rs], [r["curve"][1] for r in rs]
+                n = min(len(y) for y in ys)
+                ax.plot(xs[0][:n], [statistics.fmean(c) for c in zip(*(y[:n] for y in ys))], "k--", label=ref)
+            elif values[-1] == facet:
+                name = ", ".join(str(x) for x in values[:-1])
+                n = min(len(r["curve"][1]) for r in rs)
+                ax.plot(rs[0]["curve"][0][:n], [statistics.fmean(c) for c in zip(*(r["curve"][1][:n] for r in rs))],
+                        color=colors[name], label=name)
+        ax.set_title(f"{by[-1]} = {facet}", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("held-out reward (mean over seeds)")
+    _legend(axes[0][-1], len(names) + 1)
+    fig.tight_layout()
+    path = out / "eval_reward_panels.png"
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -24,6 +24,9 @@ only three kinds of operation, each exact or correctly rounded by IEEE 754 on ev
 Precision: ``b ≈ 21–23`` bits per operand relative to the row maximum, comparable to an fp32
 GEMM's own rounding (about 2^-24 per product, plus the accumulation error that exact sums do
 not have). This is the Ozaki-style exact-accumulation idea (Ozaki et al., 2012) with one slice.
+
+The model-level pieces (``@fused``) run compiled by inductor when fusion is on (``ops.fuse``:
+why the compiled code gives these functions' bits on any CPU); their definitions are the eager code here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from driftless.ops.fuse import fused
 
 MANTISSA = 53  # float64 significand bits: integers up to 2^53 are exact
 _EXP_LO, _EXP_HI = -900, 1000  # clamp for row exponents (keeps every pow2 argument in range)
@@ -104,6 +109,7 @@ def weight_grid(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return snap(weight.detach(), bits).t().contiguous()
 
 
+@fused
 def exact_linear(x: torch.Tensor, weight: torch.Tensor | None = None, *, grid: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T`` (no bias), fp32 result, the same bits on any machine for each row.
 
@@ -183,6 +189,7 @@ def log64(s: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- model pieces
+@fused
 def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with an exact sum of squares (of x snapped to its row grid); fp32 result."""
     d = x.shape[-1]
@@ -191,12 +198,14 @@ def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return x / rms * weight
 
 
+@fused
 def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) · up`` = gate / (1 + e^(−gate)) · up, each step one correctly rounded fp32 operation."""
     g = gate.float()
     return g / (1.0 + exp32(-g, underflow_to_zero=False)) * up
 
 
+@fused
 def kv_grids(k: torch.Tensor, v: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What aligned attention keeps per cached slot: K snapped per slot (over D), V as integer
     codes per slot and the slot's scale 2^(f − b) (float64). Each depends on that slot alone."""
@@ -213,6 +222,7 @@ def hidden_slots(q_pos: torch.Tensor, span: int, groups: int) -> torch.Tensor:
     return hidden[:, None].expand(b, groups, tq, span).reshape(b, 1, groups * tq, span)
 
 
+@fused
 def exact_attention(q: torch.Tensor, k_grid: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                     hidden: torch.Tensor, max_len: int) -> torch.Tensor:
     """Causal attention over cached slots, grouped-query heads without copying K/V; fp32 ``[B, H, Tq, D]``.
@@ -253,6 +263,7 @@ class _ExactLogSoftmax(torch.autograd.Function):
         return grad - out.exp() * grad.sum(-1, keepdim=True)
 
 
+@fused
 def exact_log_softmax_values(x: torch.Tensor) -> torch.Tensor:
     """log-softmax over the last dim (−inf entries stay −inf), fp32, bitwise the same on any CPU."""
     x = x.double()

@@ -1,0 +1,138 @@
+"""Fused aligned kernels: the aligned pieces compiled by inductor, the same bits as eager.
+
+Aligned execution (``ops.exact``) spends most of its time outside the GEMMs, in chains of
+elementwise operations (snap, round, the fixed polynomials of exp, the softmax pieces) that eager
+PyTorch runs one kernel and one pass over memory at a time. ``fused`` compiles such a function
+with ``torch.compile`` (inductor's C++ backend) into a few loops. The bits stay those of eager
+execution, on any CPU, because of what is and is not in the generated code:
+
+- every operation of the chain is still its own correctly rounded IEEE 754 operation: inductor
+  emits one C++ expression per op, compiled with ``-ffp-contract=off`` (no FMA contraction,
+  forced here whatever ``TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG`` says) and
+  ``-fno-unsafe-math-optimizations`` (no reassociation or reciprocal tricks, also forced), and
+  on the CPU it keeps ``x / c`` a division (it rewrites it as ``x · (1/c)`` only on GPUs);
+- vector width (scalar, AVX2, AVX-512: inductor follows ``ATEN_CPU_CAPABILITY``) cannot change
+  a correctly rounded elementwise result, and the only reductions are ``amax`` (exact) and sums
+  of integer codes below 2^53 (exact in any order), so neither can blocking or threading;
+- the GEMMs stay ATen's float64 GEMMs on exact codes;
+- the compiler's ``-fno-signed-zeros`` may change the sign of a zero, never a nonzero value: no
+  aligned piece divides by, or takes the logarithm of, a quantity that can be zero.
+
+``tests/test_fuse.py`` checks compiled against eager with ``torch.equal`` (and through the
+cross-process check, across the kernel sets this CPU runs). Switch: ``DRIFTLESS_FUSED_ALIGNED=0``
+(or ``set_fused(False)``) runs the eager definitions. A compile that cannot build here (no C++
+compiler, an unsupported platform, ``ATEN_CPU_CAPABILITY=default``, for which inductor's build
+fails) falls back to eager with a one-line warning: the same bits, only slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+ENV = "DRIFTLESS_FUSED_ALIGNED"
+# forced whatever the environment asks of inductor: these two are what the bits rest on
+INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
+
+RECOMPILE_LIMIT = 64  # dynamo's per-function limit is raised to this (never lowered) when fusing
+
+_choice: bool | None = None  # set_fused(); None: the environment decides
+_broken: str | None = None  # why compiling failed here, once it has
+
+
+def fused_enabled() -> bool:
+    """Whether aligned pieces run compiled (``set_fused``, else ``DRIFTLESS_FUSED_ALIGNED``, default on)."""
+    if _broken is not None:
+        return False
+    if _choice is not None:
+        return _choice
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def set_fused(enabled: bool | None) -> None:
+    """Run aligned pieces compiled (True) or eager (False); None returns the choice to the environment."""
+    global _choice
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"set_fused takes True, False or None, got {enabled!r}")
+    _choice = enabled
+
+
+def fusion_failure() -> str | None:
+    """Why compiled aligned pieces are unavailable on this machine (None if they build or were not tried)."""
+    return _broken
+
+
+def _needs_grad(args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+
+
+def _cache_per_kernel_set() -> None:
+    """Point inductor's on-disk cache at a folder of its own per kernel set.
+
+    Its cache key does not tell kernel sets apart (torch 2.13): a library built for AVX-512 is
+    loaded by a process running with ``ATEN_CPU_CAPABILITY=avx2`` and the other way round, which
+    here gave wrong values and heap corruption. One folder per (ATen kernel set, inductor ISA) keeps
+    them apart; the user's ``TORCHINDUCTOR_CACHE_DIR``, if any, is the parent.
+    """
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    isa = pick_vec_isa()
+    tag = "driftless-" + "-".join((torch.backends.cpu.get_cpu_capability(), str(isa) if isa else "scalar"))
+    tag = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tag).lower()
+    if os.path.basename(os.path.normpath(base)) != tag:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
+
+
+def fused(fn):
+    """``fn`` compiled by inductor when fusion is on, ``fn`` itself otherwise (``.eager`` is always ``fn``).
+
+    Calls that need a gradient run eager (the compiled graph is built for values only). If the
+    compiled call raises and the eager one does not, compiling is broken here: warn once, run eager
+    from then on. If eager raises too, the inputs are at fault and its error propagates.
+    """
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        global _broken
+        if not fused_enabled() or torch.compiler.is_compiling() or _needs_grad(args, kwargs):
+            return fn(*args, **kwargs)
+        if compiled is None and os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+            # inductor (torch 2.13) emits vector code without its vector headers when told to use no vector
+            # ISA, and the build fails: do not try (scalar eager kernels are what was asked for anyway)
+            _broken = "ATEN_CPU_CAPABILITY=default: inductor has no scalar-only build"
+            warnings.warn(f"driftless: fused aligned kernels unavailable here ({_broken}); running the eager "
+                          f"aligned path (the same bits, slower)", RuntimeWarning, stacklevel=2)
+            return fn(*args, **kwargs)
+        if compiled is None:
+            _cache_per_kernel_set()
+            # one graph per reduction length (the code widths are Python ints of it) and per size-1
+            # dimension: more than dynamo's default 8 per function across model sizes and batch shapes
+            cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+            setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+            compiled = torch.compile(fn, dynamic=True, options=INDUCTOR_OPTIONS)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - decided below by running the definition itself
+            out = fn(*args, **kwargs)
+            cause = getattr(err, "inner_exception", None) or err  # inductor wraps the compiler's error
+            first = (str(cause).strip().splitlines() or [""])[0][:200]
+            _broken = f"{type(cause).__name__}: {first}"
+            warnings.warn(f"driftless: fused aligned kernels unavailable here ({_broken}); running the eager "
+                          f"aligned path (the same bits, slower)", RuntimeWarning, stacklevel=2)
+            return out
+
+    call.eager = fn
+    return call
