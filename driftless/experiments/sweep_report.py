@@ -217,7 +217,8 @@ def _panels(out: Path, groups: dict[str, list[dict]], group_values: dict[str, tu
             by: list[str]) -> Path:
     """Held-out reward per step, one panel per value of the last grouping key (e.g. each noise scale),
     one line per value of the others, the reference (dashed, black) in every panel."""
-    facets = sorted({v[-1] for label, v in group_values.items() if label != ref and v[-1] is not None}, key=str)
+    facets = sorted({v[-1] for label, v in group_values.items() if label != ref and v[-1] is not None},
+                    key=lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)))  # 4 before 16
     fig, axes = plt.subplots(1, len(facets), figsize=(4.2 * len(facets), 3.6), sharey=True, squeeze=False)
     names = list(dict.fromkeys(", ".join(str(x) for x in v[:-1]) for label, v in group_values.items() if label != ref))
     colors = {name: plt.cm.tab10(i % 10) if len(names) <= 10 else plt.cm.tab20(i % 20) for i, name in enumerate(names)}
