@@ -48,7 +48,7 @@ def spread(shape, g, scale):
     return x
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 40), k=st.sampled_from([3, 64, 192]),
        scale=st.sampled_from([1e-20, 1.0, 1e4]))
 def test_fused_linear_norm_silu_equal_eager(seed, rows, k, scale):
@@ -62,7 +62,7 @@ def test_fused_linear_norm_silu_equal_eager(seed, rows, k, scale):
     assert same(exact.exact_silu_mul, gate, x)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), b=st.integers(1, 4), t=st.integers(1, 12), span_extra=st.integers(0, 6),
        scale=st.sampled_from([1e-3, 1.0, 30.0]))
 def test_fused_attention_and_kv_grids_equal_eager(seed, b, t, span_extra, scale):
@@ -79,7 +79,7 @@ def test_fused_attention_and_kv_grids_equal_eager(seed, b, t, span_extra, scale)
     assert same(exact.exact_attention, q, k_grid, v_codes, v_scale, hidden, max_len)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 30), v=st.sampled_from([2, 64, 151]),
        scale=st.sampled_from([1e-6, 1.0, 50.0]))
 def test_fused_log_softmax_equals_eager(seed, rows, v, scale):

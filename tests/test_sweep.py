@@ -187,3 +187,18 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     (root / "first" / "noisy,train.seed=0" / "done.json").unlink()  # as if killed midway: out of the table, named
     report = write_sweep_report(root / "first", by=["variant"]).read_text()
     assert "- noisy,train.seed=0: unfinished (6 steps so far)" in report and "| noisy |" not in report
+
+
+def test_a_finished_trial_can_drop_its_checkpoints_and_keep_its_record(tmp_path):
+    """The study trains ~250 runs: lagged runs keep past weights in their checkpoints (GBs per experiment)."""
+    from driftless.experiments.sweep import RUN_RECORD, run_trial
+
+    overrides = [f"{k}={v}" for k, v in {**SMALL, "train.trace": True}.items()]
+    kept, pruned = tmp_path / "kept", tmp_path / "pruned"
+    first = run_trial(None, overrides, kept)
+    assert (kept / "checkpoints").is_dir() and (kept / "trace").is_dir()
+    second = run_trial(None, overrides, pruned, keep_checkpoints=False)
+    assert not (pruned / "checkpoints").exists() and not (pruned / "trace").exists()
+    assert all((pruned / f).exists() for f in RUN_RECORD)
+    assert lines(pruned) == lines(kept) and second["final_eval"] == first["final_eval"]
+    assert run_trial(None, overrides, pruned, keep_checkpoints=False) == second  # finished: not trained again

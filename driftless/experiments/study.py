@@ -81,7 +81,7 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
     for claim in todo:
         t0 = time.time()
         out = run_experiment(exps[claim.name], root / claim.name, max_concurrent=workers, progress=progress,
-                             reuse=[root] if reuse else [])
+                             reuse=[root] if reuse else [], keep_checkpoints=False)  # ~250 runs: GBs each experiment
         spent = time.time() - t0
         entry = log.get(claim.name, {"wall_s": 0.0})
         log[claim.name] = {"trials": len(out["trials"]), "reused": out["reused"], "failed": out["failed"],

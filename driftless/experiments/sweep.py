@@ -148,10 +148,13 @@ def _numeric(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, report=None) -> dict:
+def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, report=None,
+              keep_checkpoints: bool = True) -> dict:
     """Train one trial in ``run_dir``: resume it, or do nothing when it is done; its summary.
 
-    A directory holding a run of another config (the experiment changed) is trained afresh."""
+    A directory holding a run of another config (the experiment changed) is trained afresh.
+    ``keep_checkpoints=False`` deletes a finished run's checkpoints and trace (a lagged run keeps
+    its past weights there: tens of MB per checkpoint, tens of GB over a study); its record stays."""
     import torch
 
     from driftless.experiments.report import summarize, write_run_report
@@ -182,6 +185,9 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
         tmp = done.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary))
         tmp.replace(done)
+    if not keep_checkpoints:
+        for bulky in ("checkpoints", "trace"):
+            shutil.rmtree(run_dir / bulky, ignore_errors=True)
     if report is not None:
         report({**_numeric(summary), "done": 1})
     return summary
@@ -213,7 +219,8 @@ def _tune_trainable(spec: dict):
         from ray import tune
 
         path = config["trial"]
-        run_trial(spec["base"], spec["trials"][path], Path(path), threads=1, report=tune.report)
+        run_trial(spec["base"], spec["trials"][path], Path(path), threads=1, report=tune.report,
+                  keep_checkpoints=spec["keep_checkpoints"])
     return trainable
 
 
@@ -271,7 +278,7 @@ def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[P
 
 
 def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = None, progress: bool = True,
-                   reuse: list[Path] = ()) -> dict:
+                   reuse: list[Path] = (), keep_checkpoints: bool = True) -> dict:
     """Every trial of ``exp`` (checked by ``load_experiment``, or call ``exp.check()`` first) on ``run_trials``;
     a trial whose computation a finished run under ``reuse`` already made takes that run's record."""
     root = Path(run_dir).resolve()
@@ -286,14 +293,14 @@ def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = Non
         "variants": exp.variants, "grid": exp.grid, "reference": exp.reference,
         "trials": {t.name: {"values": t.values, "overrides": t.overrides} for t in trials}}, indent=2, default=str))
     failed = run_trials(exp.base, {root / t.name: t.overrides for t in trials}, max_concurrent=max_concurrent,
-                        progress=progress, storage=root / ".tune")
+                        progress=progress, storage=root / ".tune", keep_checkpoints=keep_checkpoints)
     return {"trials": [t.name for t in trials], "failed": {Path(p).name: e for p, e in failed.items()},
             "reused": len(reused) if reuse else 0,
             "run_dir": str(root)}
 
 
 def run_trials(base, trials: dict[Path, list[str]], *, max_concurrent: int | None = None, progress: bool = True,
-               storage: Path | None = None) -> dict[str, str]:
+               storage: Path | None = None, keep_checkpoints: bool = True) -> dict[str, str]:
     """Train every ``{run_dir: overrides}`` as a Ray Tune trial (one CPU, one thread each); ``{run_dir: error}``
     of the trials that failed. The engine behind ``sweep``, ``demo`` and ``calibrate``."""
     trials = {str(Path(p).resolve()): list(ov) for p, ov in trials.items()}
@@ -315,7 +322,7 @@ def run_trials(base, trials: dict[Path, list[str]], *, max_concurrent: int | Non
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        spec = {"base": str(base) if base else None, "trials": trials}
+        spec = {"base": str(base) if base else None, "trials": trials, "keep_checkpoints": keep_checkpoints}
         tuner = tune.Tuner(
             tune.with_resources(_tune_trainable(spec), {"cpu": 1}),
             param_space={"trial": tune.grid_search(list(trials))},
