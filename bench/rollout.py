@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="rounds (each mode once per round, after a warm-up)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one full forward per execution: GEMM time (aten::mm, bmm) against the total")
     args = ap.parse_args()
     for name in ("batch", "prompt_len", "new_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -157,6 +159,19 @@ def main() -> None:
                 "of_medians": statistics.median(by_mode[mode]) / statistics.median(by_mode["fast"]),
                 "per_round_min": min(per_round), "per_round_max": max(per_round)}
     out["ops_per_decode_step"] = ops
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        out["forward_profile_ms"] = {}
+        for mode in MODES:
+            fused_for(mode)
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                models[mode](full)
+            table = prof.key_averages()
+            out["forward_profile_ms"][mode] = {
+                "gemm": sum(e.self_cpu_time_total for e in table if e.key in ("aten::mm", "aten::bmm")) / 1e3,
+                "total": sum(e.self_cpu_time_total for e in table) / 1e3}
+        set_fused(None)
     out["tokens_per_second"] = {f"sampler_{m}": n_tokens / statistics.median(times["sampler"][m]) for m in MODES}
     gflops = gemm_gflops(args.threads)
     out["flop_bound"] = {"params": n_params, "fp32_gemm_gflops": gflops,

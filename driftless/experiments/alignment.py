@@ -177,8 +177,7 @@ def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
     info = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
     if role not in ("sample", "score"):
         raise ValueError(f"role must be 'sample' or 'score', got {role!r}")
-    info["fused"] = fused_enabled()  # updated below: a failed build falls back to eager
-    if info["fused"]:
+    if fused_enabled():  # "fused" is read after the work: a failed build falls back to eager
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         isa = pick_vec_isa()  # what inductor vectorises for (it follows ATEN_CPU_CAPABILITY)

@@ -93,6 +93,14 @@ def _cache_per_kernel_set() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
 
 
+def _give_up(reason: str) -> None:
+    """Eager from now on in this process, said once."""
+    global _broken
+    _broken = reason
+    warnings.warn(f"driftless: fused aligned kernels unavailable here ({reason}); running the eager aligned "
+                  f"path (the same bits, slower)", RuntimeWarning, stacklevel=3)
+
+
 def fused(fn):
     """``fn`` compiled by inductor when fusion is on, ``fn`` itself otherwise (``.eager`` is always ``fn``).
 
@@ -105,15 +113,12 @@ def fused(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        global _broken
         if not fused_enabled() or torch.compiler.is_compiling() or _needs_grad(args, kwargs):
             return fn(*args, **kwargs)
         if compiled is None and os.environ.get("ATEN_CPU_CAPABILITY") == "default":
             # inductor (torch 2.13) emits vector code without its vector headers when told to use no vector
             # ISA, and the build fails: do not try (scalar eager kernels are what was asked for anyway)
-            _broken = "ATEN_CPU_CAPABILITY=default: inductor has no scalar-only build"
-            warnings.warn(f"driftless: fused aligned kernels unavailable here ({_broken}); running the eager "
-                          f"aligned path (the same bits, slower)", RuntimeWarning, stacklevel=2)
+            _give_up("ATEN_CPU_CAPABILITY=default: inductor has no scalar-only build")
             return fn(*args, **kwargs)
         if compiled is None:
             _cache_per_kernel_set()
@@ -129,9 +134,7 @@ def fused(fn):
             out = fn(*args, **kwargs)
             cause = getattr(err, "inner_exception", None) or err  # inductor wraps the compiler's error
             first = (str(cause).strip().splitlines() or [""])[0][:200]
-            _broken = f"{type(cause).__name__}: {first}"
-            warnings.warn(f"driftless: fused aligned kernels unavailable here ({_broken}); running the eager "
-                          f"aligned path (the same bits, slower)", RuntimeWarning, stacklevel=2)
+            _give_up(f"{type(cause).__name__}: {first}")
             return out
 
     call.eager = fn
