@@ -84,3 +84,23 @@ def test_pin_never_refreshes_and_bad_policies_are_refused():
     sampler.load(snapshots()[0])
     with pytest.raises(ValueError, match="rollout.refresh"):
         sampler.generate([[1, 2]], SamplingParams(), 4, seed=0, refresh="swap")
+
+
+def test_decode_latency_slows_every_decode_step_and_changes_no_bit():
+    """``decode_latency`` (a larger model's token time, for async experiments) sleeps once per decode
+    step: sleep never returns early, so the wall time has a hard floor; the tokens are those of no latency."""
+    import time
+
+    old, _ = snapshots()
+    prompts = [[5, 6, 7], [8, 9]]
+    batches = []
+    for latency in (0.0, 0.02):
+        sampler = Sampler(TinyLM(CONFIG), head_k=4, decode_latency=latency)
+        sampler.load(old)
+        t0 = time.perf_counter()
+        batches.append(sampler.generate(prompts, SamplingParams(), 10, seed=3))
+        wall = time.perf_counter() - t0
+    assert wall >= 10 * 0.02
+    assert torch.equal(batches[0].tokens, batches[1].tokens) and torch.equal(batches[0].sampler_logp, batches[1].sampler_logp)
+    with pytest.raises(ValueError, match="decode_latency must be >= 0"):
+        Sampler(TinyLM(CONFIG), decode_latency=-1.0)

@@ -30,9 +30,10 @@ SETTINGS = {
     "lag": (["rollout.lag=1"], "rollout.lag"),
     "staleness": (["mismatch.staleness=1"], "mismatch.staleness"),
     "bound": (["rollout.staleness_bound=1"], "rollout.staleness_bound"),
-    # long responses through a quantized sampler (slower than the learner's update): newer weights land mid-response
+    # long responses from a sampler slowed to 80 ms a token (~1.8 s a batch): the worker cannot produce all four
+    # batches from version 0 before the learner's first update, so newer weights land mid-response on any machine
     "refresh": (["rollout.refresh=retain", "rollout.refresh_every=1", "model.max_seq_len=32", "rollout.max_new_tokens=28",
-                 "mismatch.view=w8a8+kv:int8", "train.trace=true", "rollout.staleness_bound=3"], "rollout.refresh"),
+                 "rollout.decode_latency=0.08", "train.trace=true", "rollout.staleness_bound=3"], "rollout.refresh"),
     "trace": (["train.trace=true"], "train.trace"),
     "workers": (["rollout.workers=2"], "rollout.workers"),
     "learner": (["train.learner_runtime=ray"], "train.learner_runtime"),

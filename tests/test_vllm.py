@@ -176,6 +176,7 @@ def test_config_refuses_what_the_vllm_engine_cannot_do():
         (["rollout.engine=vllm", "model.kind=hf", "rollout.runtime=process"],
          r"runs in the driver's process \(rollout.runtime=sync or thread\)"),
         (["rollout.engine=vllm", "model.kind=hf", "mismatch.view=kv:int8"], "only weight-only views"),
+        (["rollout.engine=vllm", "model.kind=hf", "rollout.decode_latency=0.01"], r"rollout.decode_latency=0.01 is not"),
         (["rollout.engine=sglang"], "rollout.engine must be"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -20,6 +20,7 @@ Each refresh is an event in ``batch.meta["refreshes"]`` (step, old and new versi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,9 +49,12 @@ class Sampler:
     ``version``: the weight version ``policy`` already holds (None: call ``load`` first)."""
 
     def __init__(self, policy, *, head_k: int = 32, eos_id: int | None = None, pad_id: int = 0, view=None,
-                 version: int | None = None):
+                 version: int | None = None, decode_latency: float = 0.0):
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
+        if not decode_latency >= 0:
+            raise ValueError(f"decode_latency must be >= 0 seconds, got {decode_latency}")
+        self.decode_latency = decode_latency  # seconds slept per decode step: a slower (larger) model's token time
         self.policy = policy
         self.head_k = head_k
         self.eos_id = eos_id
@@ -133,6 +137,8 @@ class Sampler:
                 tok = logq.argmax(-1)
             else:
                 tok = torch.multinomial(logq.exp(), 1, generator=gen).squeeze(-1)
+            if self.decode_latency:
+                time.sleep(self.decode_latency)
             steps["token"].append(tok)
             steps["logq"].append(logq.gather(1, tok[:, None]).squeeze(1).float())
             steps["active"].append(active)

@@ -43,17 +43,22 @@ class RolloutSettings:
     refresh: str = "pin"
     refresh_every: int = 8
     reward_latency: float = 0.0  # seconds per prompt group, slept after generation (a verifier / tool stand-in)
+    decode_latency: float = 0.0  # seconds per decode step, slept by the sampler (a larger model's token time)
     engine: str = "driftless"  # driftless (the built-in Sampler) | vllm (driftless.rollout.vllm)
 
 
 ENGINES = ("driftless", "vllm")
 
 
-def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id: int, view=None) -> RolloutEngine:
+def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id: int, view=None,
+                 decode_latency: float = 0.0) -> RolloutEngine:
     """The rollout engine by name: the built-in Sampler or the vLLM-backed one (same interface)."""
     if engine == "driftless":
-        return Sampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view)
+        return Sampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view, decode_latency=decode_latency)
     if engine == "vllm":
+        if decode_latency:
+            raise ValueError(f"rollout.decode_latency={decode_latency} needs rollout.engine=driftless (vLLM decodes "
+                             "inside its own loop)")
         from driftless.rollout.vllm import VLLMSampler
 
         return VLLMSampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view)
@@ -67,7 +72,7 @@ class RolloutWorker:
         if isinstance(policy, SupportsNumerics):
             policy.numerics = None  # the mismatch view decides the sampler's numerics
         self.sampler = make_sampler(settings.engine, policy, head_k=settings.head_k, eos_id=tokenizer.eos_id,
-                                    pad_id=tokenizer.pad_id, view=view)
+                                    pad_id=tokenizer.pad_id, view=view, decode_latency=settings.decode_latency)
         self.task, self.tokenizer, self.settings = task, tokenizer, settings
         self.snapshot: Snapshot | None = None  # the snapshot last loaded (before the view)
 

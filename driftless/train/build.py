@@ -151,7 +151,8 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            max_new_tokens=r.max_new_tokens, sampling=sampling(config),
                            reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
                            head_k=r.head_k, seed=config.train.seed, refresh=r.refresh,
-                           refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency, engine=r.engine)
+                           refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
+                           decode_latency=r.decode_latency, engine=r.engine)
 
 
 def worker(config: RunConfig, state: dict) -> RolloutWorker:

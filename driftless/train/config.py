@@ -169,6 +169,7 @@ class RolloutSection(_Section):
     refresh: RefreshPolicy = "pin"  # in-flight weight refresh: pin | recompute | retain
     refresh_every: int | None = _at_least(None, 1)  # tokens between refresh checks; None: 8 when refresh != pin
     reward_latency: float = _at_least(0.0, 0.0)  # seconds of injected wait per prompt group (tool calls, verifiers)
+    decode_latency: float = _at_least(0.0, 0.0)  # seconds of injected wait per decode step (a larger model's token time)
     workers: int = _positive(1)  # process | ray: rollout workers producing batches in turn
     ray_num_cpus: int | None = _at_least(None, 1)  # ray: CPUs for ray.init when no cluster is connected; None: 2
     engine: Engine = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
@@ -334,6 +335,9 @@ def runtime_refusal(config: RunConfig) -> str | None:
         if rt not in ("sync", "thread"):
             return (f"rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), "
                     f"got rollout.runtime={rt!r}")
+        if r.decode_latency:
+            return (f"rollout.decode_latency={r.decode_latency} is not supported by rollout.engine=vllm (its decode "
+                    "loop runs inside vLLM); use rollout.engine=driftless")
         if r.refresh != "pin":
             return (f"rollout.refresh={r.refresh!r} is not supported by rollout.engine=vllm (it cannot swap weights "
                     "inside one generate call); use pin")
