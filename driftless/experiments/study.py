@@ -57,6 +57,8 @@ CLAIMS = (
     Claim("topk", ("variant",), "top-k score centering, k = 1 / 4 / 16 / full vocabulary (seed 003 A.4)"),
     Claim("sampler-kl", ("variant",), "SC with the sampler-KL penalty, β sweep including 0"),
     Claim("recipes", ("variant",), "complete recipes at one budget, held-out reward against wall time (seed 000 §6.4)"),
+    Claim("sampler-kl-quantized", ("variant",),
+          "follow-up to sampler-kl: the same β sweep under W4A4 + int4 KV, whose error does not scale with θ"),
     Claim("quantized-paper", ("variant", "mismatch.view"),
           "the quantized claim at the paper's settings (W8A8 + 4-bit KV; fp8), which do not hurt pg here: last"),
 )
