@@ -38,6 +38,7 @@ from driftless.ops.exact import (
     split_bits,
     weight_grid,
 )
+from driftless.ops.fuse import fused
 from driftless.ops.numerics import Numerics
 
 EXECUTIONS = ("fast", "aligned")
@@ -95,14 +96,18 @@ class KVCache:
         self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
 
     def write_aligned(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        self.write_grids(layer, kv_grids(k, v, self.max_len), positions)
+
+    def write_grids(self, layer: int, grids: tuple, positions: torch.Tensor) -> None:
+        """``kv_grids`` output (each ``[B, n_kv, T, ·]``) written at ``positions [B, T]``."""
         if self.aligned is None:
             b, h, t, _ = self.shape
             device = self.k[0].device
             self.aligned = [(torch.zeros(self.shape, dtype=torch.float64, device=device),
                              torch.zeros(self.shape, dtype=torch.float64, device=device),
                              torch.zeros(b, h, t, 1, dtype=torch.float64, device=device)) for _ in self.k]
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        for buf, value in zip(self.aligned[layer], kv_grids(k, v, self.max_len)):
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        for buf, value in zip(self.aligned[layer], grids):
             buf[rows, :, positions] = value.transpose(1, 2)
 
 
@@ -119,6 +124,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x ``[B, H, T, D]``; tables ``[B, 1, T, D]``. With halves (x1, x2) this is
     (x1 cos − x2 sin, x2 cos + x1 sin), elementwise only: ``roll`` swaps the halves."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+# ------------------------------------------------------------------------------------------------
+# An aligned decode step in 2 compiled graphs per layer + 1: each is the composition of the aligned
+# pieces (ops.exact) and elementwise fp32 glue (RoPE, residual adds), so ops.fuse's argument carries
+# over: every operation stays its own correctly rounded one. What changes is the number of dispatches
+# (9 graphs per layer and the glue's ops otherwise), which is what a one-token step pays for. Longer
+# inputs run the pieces one by one: there inductor, given a whole layer, fuses worse than piece by piece
+# (bench/rollout.py). The self-test compares the two paths bit for bit (decode against full forward).
+@fused
+def aligned_attention_in(x, norm_w, qkv_grid, cos, sin, eps: float, n_head: int, n_kv_head: int, max_len: int):
+    """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, K/V as the cache
+    keeps them (``kv_grids``), and the traced intermediates: the normed input and q|k|v)."""
+    b, t, d = x.shape
+    hd = d // n_head
+    h = exact_rms_norm.eager(x, norm_w, eps)
+    qkv = exact_linear.eager(h, grid=qkv_grid)
+    q, k, v = qkv.split([n_head * hd, n_kv_head * hd, n_kv_head * hd], -1)
+    q = q.reshape(b, t, n_head, hd).transpose(1, 2)
+    k = k.reshape(b, t, n_kv_head, hd).transpose(1, 2)
+    v = v.reshape(b, t, n_kv_head, hd).transpose(1, 2)
+    q = apply_rope(q, cos, sin) * (1.0 / math.sqrt(hd))
+    k = apply_rope(k, cos, sin)
+    return (q.contiguous(), *kv_grids.eager(k, v, max_len), h, qkv)
+
+
+@fused
+def aligned_attention_out_mlp(x, q, k_grid, v_codes, v_scale, hidden, wo_grid, mlp_norm_w, gate_up_grid, down_grid,
+                              eps: float, max_len: int):
+    """The rest of one layer: attention over the cached slots, the output projection and residual,
+    RMSNorm and the SwiGLU MLP and residual: (x out, and the traced intermediates)."""
+    b, t, d = x.shape
+    attn = exact_attention.eager(q, k_grid, v_codes, v_scale, hidden, max_len).transpose(1, 2).reshape(b, t, d)
+    out = exact_linear.eager(attn, grid=wo_grid)
+    x = x + out
+    h = exact_rms_norm.eager(x, mlp_norm_w, eps)
+    gate_up = exact_linear.eager(h, grid=gate_up_grid)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, -1)
+    act = exact_silu_mul.eager(gate, up)
+    down = exact_linear.eager(act, grid=down_grid)
+    return x + down, attn, out, h, gate_up, act, down
+
+
+@fused
+def aligned_head(x, norm_w, lm_grid, eps: float):
+    """Final RMSNorm and the LM head: (logits, the normed input)."""
+    h = exact_rms_norm.eager(x, norm_w, eps)
+    return exact_linear.eager(h, grid=lm_grid), h
 
 
 class TinyLM(nn.Module):
@@ -233,15 +286,20 @@ class TinyLM(nn.Module):
         weights = [layer.weight for layer in layers]
         if self.aligned_gemm is not None:  # the self-test's negative control
             return [self.aligned_gemm(x, w) for w in weights]
+        out = exact_linear(x, grid=self._grid(*layers))
+        return list(out.split([w.shape[0] for w in weights], dim=-1))
+
+    def _grid(self, *layers: nn.Linear) -> torch.Tensor:
+        """The aligned GEMM's weight codes for these layers' weights stacked (cached per weights' version)."""
+        weights = [layer.weight for layer in layers]
         key = tuple(id(w) for w in weights)
         stamp = tuple((w._version, w.data_ptr()) for w in weights)
         entry = self._codes.get(key)
         if entry is None or entry[0] != stamp:
             w = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-            entry = (stamp, weight_grid(w, split_bits(x.shape[-1])[1]))
+            entry = (stamp, weight_grid(w, split_bits(w.shape[1])[1]))
             self._codes[key] = entry
-        out = exact_linear(x, grid=entry[1])
-        return list(out.split([w.shape[0] for w in weights], dim=-1))
+        return entry[1]
 
     def _linears(self, x, aligned: bool, *layers: nn.Linear) -> list[torch.Tensor]:
         if aligned and self.numerics is None:
@@ -274,6 +332,24 @@ class TinyLM(nn.Module):
         elif cache is not None:
             visible = (torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None])[:, None]
         record = self._record if aligned and self.trace is not None else None
+        if aligned and t == 1 and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
+            for i, layer in enumerate(self.layers):
+                q, *grids, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._grid(layer.wq, layer.wk, layer.wv),
+                                                         cos, sin, c.norm_eps, c.n_head, c.n_kv_head, c.max_seq_len)
+                cache.write_grids(i, grids, positions)  # written first, then read back (as below)
+                k_grid, v_codes, v_scale = (buf[:, :, :span] for buf in cache.aligned[i])
+                x, attn, out, h2, gate_up, act, down = aligned_attention_out_mlp(
+                    x, q, k_grid, v_codes, v_scale, hidden, self._grid(layer.wo), layer.mlp_norm.detach(),
+                    self._grid(layer.w_gate, layer.w_up), self._grid(layer.w_down), c.norm_eps, c.max_seq_len)
+                if record:
+                    for name, value in (("attn_norm", h), ("wq|wk|wv", qkv), ("attention", attn), ("wo", out),
+                                        ("mlp_norm", h2), ("w_gate|w_up", gate_up), ("silu*up", act), ("w_down", down)):
+                        record(f"layer {i} {name}", value)
+            logits, h = aligned_head(x, self.final_norm.detach(), self._grid(self.lm_head), c.norm_eps)
+            if record:
+                record("final_norm", h)
+                record("lm_head", logits)
+            return logits
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm, aligned)
             q, k, v = self._linears(h, aligned, layer.wq, layer.wk, layer.wv)

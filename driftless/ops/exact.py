@@ -118,7 +118,8 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor | None = None, *, grid: t
     bx, bw = split_bits(x.shape[-1])
     if grid is None:
         grid = weight_grid(weight, bw)
-    return torch.matmul(snap(x, bx), grid).float()  # one quantum per output: exact in any order
+    rows = snap(x.reshape(-1, x.shape[-1]), bx)  # 2-D: one GEMM (a 3-D matmul may broadcast the grid)
+    return torch.mm(rows, grid).float().reshape(*x.shape[:-1], grid.shape[1])  # one quantum per output: exact
 
 
 # ---------------------------------------------------------------- exp and log
