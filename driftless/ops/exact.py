@@ -61,7 +61,10 @@ def reduction_bits(k: int) -> int:
     """Total code bits for two operands of a length-``k`` dot product: sums of ``k`` products stay exact."""
     if k < 1:
         raise ValueError(f"reduction length must be >= 1, got {k}")
-    return MANTISSA - math.ceil(math.log2(k)) if k > 1 else MANTISSA
+    log2_k = 0  # ⌈log2 k⌉ by comparisons: under torch.compile these are guards on k, not a symbolic log2 in
+    while (1 << log2_k) < k:  # the graph (which keeps inductor's AOT cache from storing it)
+        log2_k += 1
+    return MANTISSA - log2_k
 
 
 def split_bits(k: int) -> tuple[int, int]:
