@@ -161,12 +161,19 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     (exps / "first.yaml").write_text(yaml.safe_dump({**common, "variants": {"noisy": {"mismatch.view": "noise:0.05"}}}))
     (exps / "second.yaml").write_text(yaml.safe_dump({**common, "variants": {"stale": {"rollout.lag": 1}}}))
     monkeypatch.setattr(study, "STUDY_DIR", exps)
+    (exps / "extra.yaml").write_text(yaml.safe_dump({**common, "variants": {"pg": {}}}))
     monkeypatch.setattr(study, "CLAIMS", (study.Claim("first", ("variant",), "a"),
-                                          study.Claim("second", ("variant",), "b")))
+                                          study.Claim("second", ("variant",), "b"),
+                                          study.Claim("extra", ("variant",), "c", extra=True)))
     root = tmp_path / "results"
     index = study.run_study(root, progress=False, workers=1)
     log = json.loads((root / "study.json").read_text())
     assert {k: (v["trials"], v["reused"]) for k, v in log.items()} == {"first": (2, 0), "second": (2, 1)}
+    assert not (root / "extra").exists()  # an extra experiment runs only when named
+    spent = study.run_seconds(root)
+    assert [spent[k]["distinct"] for k in ("first", "second", "extra")] == [2, 1, 0]  # the reused reference once
+    stale_rows = (root / "second" / "stale,train.seed=0" / "metrics.jsonl").read_text().splitlines()
+    assert spent["second"]["run_s"] == round(json.loads(stale_rows[-1])["wall_time"], 1)
     ref_a, ref_b = root / "first" / "reference,train.seed=0", root / "second" / "reference,train.seed=0"
     assert (ref_a / "metrics.jsonl").read_bytes() == (ref_b / "metrics.jsonl").read_bytes()
     assert not (ref_b / "checkpoints").exists()  # the record only: config, metrics, initial eval, done

@@ -341,7 +341,10 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     cmd = [sys.executable, "-m", "driftless", "train", "-", *args, "--run-dir", str(tmp_path / "b"), "--no-progress"]
     cmd[cmd.index("-")] = str(tmp_path / "none.yaml")
     (tmp_path / "none.yaml").write_text("{}\n")
-    proc = subprocess.Popen(cmd)  # same thread count as this process: the same bits in fast mode
+    import torch
+
+    # the same thread count as this process (an earlier test may have changed it): the same bits in fast mode
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     metrics = tmp_path / "b" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):

@@ -157,12 +157,20 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
     its past weights there: tens of MB per checkpoint, tens of GB over a study); its record stays."""
     import torch
 
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run_trial(base, overrides, Path(run_dir), report, keep_checkpoints)
+    finally:
+        torch.set_num_threads(caller_threads)  # called in-process (tests, one worker), the caller keeps its own
+
+
+def _run_trial(base, overrides: list[str], run_dir: Path, report, keep_checkpoints: bool) -> dict:
     from driftless.experiments.report import summarize, write_run_report
     from driftless.train import train
     from driftless.train.checkpoint import latest_checkpoint
 
-    torch.set_num_threads(threads)
-    run_dir = Path(run_dir)
+
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(base, overrides)
     if report is not None and "tune" not in cfg.train.loggers:
