@@ -311,7 +311,7 @@ def test_demo_check_over_warm_starts_resumes_and_reads(tmp_path, capsys):
         "warm_start.steps=2", "warm_start.batch_size=4", "warm_start.eval_problems=8",
         f"warm_start.cache_dir={tmp_path / 'ws'}", "train.steps=2", "train.eval_every=1", "mismatch.view=noise:0.05"]
     args = ["demo", "--warm-start-seeds", "2", "--run-dir", str(tmp_path / "check"), "--methods", "baseline", "pg",
-            "sc", "--seeds", "1", "--workers", "1", "--no-progress", *overrides]
+            "sc", "--seeds", "1", "--workers", "2", "--no-progress", *overrides]
     assert main(args) == 0
     report = (tmp_path / "check" / "report.md").read_text()
     assert len(list((tmp_path / "ws").iterdir())) == 2  # one warm start per seed

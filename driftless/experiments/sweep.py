@@ -334,7 +334,10 @@ def run_trials(base, trials: dict[Path, list[str]], *, max_concurrent: int | Non
         tuner = tune.Tuner(
             tune.with_resources(_tune_trainable(spec), {"cpu": 1}),
             param_space={"trial": tune.grid_search(list(trials))},
-            tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent or cpus),
+            # a worker process trains one trial after another: no process start and torch import per trial
+            # (~5 s each); a trial's numbers do not depend on what the process ran before (run_trial sets
+            # its threads; fast mode's bits follow threads and kernel set only)
+            tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent or cpus, reuse_actors=True),
             run_config=tune.RunConfig(name="tune", storage_path=str(storage), verbose=1 if progress else 0),
         )
         if progress:
