@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="one table and plots across a sweep's runs: driftless report SWEEP_DIR")
     rep.add_argument("sweep_dir")
     rep.add_argument("--by", nargs="+", default=None, help="grid keys to group by (default: all but the seeds)")
+    rep.add_argument("--references", nargs="+", default=(), metavar="SWEEP_DIR",
+                     help="other sweeps whose reference runs a run may pair with (same seeds, same initial model)")
     rep.set_defaults(func=_report)
 
     st = sub.add_parser("study", help="the seeds' comparisons in miniature (docs/RESULTS.md); resumable")
@@ -251,7 +253,7 @@ def _sweep(args) -> int:
 def _report(args) -> int:
     from driftless.experiments.sweep_report import write_sweep_report
 
-    print(write_sweep_report(args.sweep_dir, by=args.by).read_text())
+    print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references).read_text())
     return 0
 
 

@@ -191,6 +191,28 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     for attempts in root.glob("*/*/attempts.jsonl"):
         assert json.loads(attempts.read_text().splitlines()[-1])["done_before"] is True
 
+    # a run that started from another initial model (a warm start recomputed on another CPU) is marked, not hidden
+    stale_start = root / "second" / "stale,train.seed=0" / "initial_eval.json"
+    record = json.loads(stale_start.read_text())
+    stale_start.write_text(json.dumps({**record, "eval_reward": record["eval_reward"] + 0.25}))
+    report = write_sweep_report(root / "second", by=["variant"]).read_text()
+    assert f"| {delta:+.3f} ({int(delta < 0)} of 1 below) † 1 |" in report
+    assert "† 1 runs started from another initial model than the `reference` run of their seeds" in report
+    ref_start = json.loads((ref_b / "initial_eval.json").read_text())["eval_reward"]
+    assert f"- stale,train.seed=0: {record['eval_reward'] + 0.25:.3f} / {ref_start:.3f}" in report
+    # a reference of the same seeds from that other initial model (another sweep) takes the pairing
+    other = tmp_path / "other"
+    shutil.copytree(root / "second", other, ignore=shutil.ignore_patterns("stale*", ".tune", "plots"))
+    moved = other / "reference,train.seed=0" / "initial_eval.json"
+    moved.write_text(json.dumps({**json.loads(moved.read_text()), "eval_reward": record["eval_reward"] + 0.25}))
+    report = write_sweep_report(root / "second", by=["variant"], references=[other]).read_text()
+    assert "†" not in report and f"| {delta:+.3f} ({int(delta < 0)} of 1 below) |" in report  # same final: same Δ
+    assert f"paired with the reference run of their seeds and initial model from `{other}`: stale,train.seed=0." in report
+    with pytest.raises(ValueError, match="holds no runs"):
+        write_sweep_report(root / "second", by=["variant"], references=[exps])
+    stale_start.write_text(json.dumps(record))
+    assert "†" not in write_sweep_report(root / "second", by=["variant"]).read_text()
+
     (root / "first" / "noisy,train.seed=0" / "done.json").unlink()  # as if killed midway: out of the table, named
     report = write_sweep_report(root / "first", by=["variant"]).read_text()
     assert "- noisy,train.seed=0: unfinished (6 steps so far)" in report and "| noisy |" not in report

@@ -41,6 +41,7 @@ class Claim:
     by: tuple[str, ...]  # the report's grouping (seeds pooled)
     what: str
     extra: bool = False  # not in a plain ``driftless study`` (``make study``): named with ``--only`` (``make study-paper``)
+    references: tuple[str, ...] = ()  # other sweeps (repo paths) whose references pair runs started elsewhere
 
 
 CLAIMS = (
@@ -67,7 +68,7 @@ CLAIMS = (
     Claim("quantized-paper", ("variant", "mismatch.view"),
           "the quantized claim at the paper's settings (W8A8 + 4-bit KV; fp8), which do not hurt pg here "
           "(calibration): separates nothing, the slowest runs; outside the 5-hour study (`make study-paper`)",
-          extra=True),
+          extra=True, references=("results/study-reference-epyc-avx2",)),  # 15 runs finished on an AVX2-only EPYC
 )
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
 
@@ -102,7 +103,8 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
         if out["failed"]:
             raise RuntimeError(f"study {claim.name}: trials failed: "
                                + "; ".join(f"{k}: {v}" for k, v in out["failed"].items()))
-        write_sweep_report(root / claim.name, by=list(claim.by))
+        write_sweep_report(root / claim.name, by=list(claim.by),
+                           references=[REPO / r for r in claim.references if (REPO / r).is_dir()])
         if progress:
             print(f"study: {claim.name} done ({len(out['trials'])} trials, {out['reused']} reused, {spent:.0f} s); "
                   f"its record: {root / claim.name}/report.md")
@@ -148,7 +150,7 @@ def write_index(root: Path, log: dict) -> Path:
             lines.append(f"| [{claim.name}]({claim.name}/report.md){' (*extra*)' if claim.extra else ''} | "
                          f"{claim.what} | {entry['trials']} | {entry['reused']} | {entry['wall_s'] / 60:.0f} min | "
                          f"{own['distinct']} runs, {own['run_s'] / 60:.0f} min |")
-    for label, group in (("`make study`", [c for c in CLAIMS if not c.extra]), ("the extras", [c for c in CLAIMS if c.extra])):
+    for label, group in (("`make study`", [c for c in CLAIMS if not c.extra]), ("The extras", [c for c in CLAIMS if c.extra])):
         recorded = sum(log.get(c.name, {}).get("wall_s", 0.0) for c in group)
         own = sum(spent.get(c.name, {}).get("run_s", 0.0) for c in group)
         lines += ["", (f"{label}: {recorded / 3600:.2f} h of wall time recorded on the machines that ran it (2 cores, "

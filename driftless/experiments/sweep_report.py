@@ -14,6 +14,10 @@ Definitions (docs/diagnostics.md):
   their length and are marked.
 - **collapse step**: the first evaluation below the run's initial held-out reward minus
   ``COLLAPSE_MARGIN`` after which no evaluation recovers above that line; "—" if none.
+- **Δ vs the reference** pairs a run with the reference run of the same seeds *and the same initial
+  model* (the warm start's weight digest, or its held-out reward in records older than the digest):
+  a warm start recomputed on another CPU is another model. A run whose seeds' reference started
+  elsewhere is still compared, marked † and named under the table.
 """
 
 from __future__ import annotations
@@ -52,8 +56,10 @@ def run_row(run_dir: Path) -> dict:
     def mean(key):
         vals = [r[key] for r in rows if key in r]
         return statistics.fmean(vals) if vals else float("nan")
+    saved = Path(run_dir) / "initial_eval.json"
+    warm = (json.loads(saved.read_text()).get("warm_start") or {}) if saved.exists() else {}
     return {
-        "curve": (xs, ys), "rows": rows,
+        "curve": (xs, ys), "rows": rows, "digest": warm.get("weights_sha256"),  # which initial model
         "initial": ys[0], "final": ys[-1], "best": max(ys), "auc": statistics.fmean(ys),
         "collapse": collapse_step(xs, ys), "steps": len(rows),
         "kl": mean("kl_k3"), "d2": mean("renyi_d2"), "p99": mean("ratio_p99"),
@@ -92,8 +98,33 @@ def find_runs(sweep_dir: Path) -> tuple[dict[str, dict], list[str], list[str]]:
     return runs, ["run"], problems
 
 
-def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
+def same_start(a: dict, b: dict) -> bool:
+    """Did two runs start from the same model? The warm start's weight digest where both records have one
+    (newer runs), else their initial held-out reward (records older than the digest)."""
+    if a["digest"] and b["digest"]:
+        return a["digest"] == b["digest"]
+    return a["initial"] == b["initial"]
+
+
+def reference_runs(sweep_dir: Path) -> list[dict]:
+    """The rows of a sweep's ``reference`` runs (its experiment's no-mismatch reference), with their seeds."""
+    runs, _, _ = find_runs(Path(sweep_dir))
+    rows = []
+    for name, values in runs.items():
+        if values.get("variant") == "reference":
+            row = run_row(Path(sweep_dir) / name)
+            row["seeds"], row["name"] = tuple(values.get(k) for k in SEED_KEYS), f"{Path(sweep_dir).name}/{name}"
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"report --references {sweep_dir}: that sweep has no finished reference run")
+    return rows
+
+
+def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) -> Path:
+    """The sweep's table and plots; ``references``: other sweeps whose reference runs a run pairs with
+    when they started from its initial model and the sweep's own reference of its seeds did not."""
     sweep_dir = Path(sweep_dir)
+    outside = [row for other in references for row in reference_runs(Path(other))]
     runs, keys, problems = find_runs(sweep_dir)
     if not runs:
         raise ValueError(f"{sweep_dir}: none of the sweep's trials has run yet ({len(problems)} listed)")
@@ -108,7 +139,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
         label = ", ".join("—" if values.get(k) is None else f"{values.get(k)}" for k in by)
         group_values[label] = tuple(values.get(k) for k in by)
         row = run_row(sweep_dir / name)
-        row["seeds"] = tuple(values.get(k) for k in SEED_KEYS)
+        row["seeds"], row["name"] = tuple(values.get(k) for k in SEED_KEYS), name
         groups.setdefault(label, []).append(row)
         if values.get("variant") == "reference":
             reference = label
@@ -128,13 +159,28 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
               "collapse step | mean KL(q‖p) | mean D2 | mean p99 p/q | Eq. 1 mean abs movement / disagreement | "
               "stale rows dropped | masked fraction | wall s | tokens/s |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    ref_final = {r["seeds"]: r["final"] for r in groups[ref]}
-    if len(ref_final) != len(groups[ref]):  # the reference group pools runs of the same seeds: no pairing
-        ref_final = {}
+    ref_by_seeds = {r["seeds"]: r for r in groups[ref]}
+    if len(ref_by_seeds) != len(groups[ref]):  # the reference group pools runs of the same seeds: no pairing
+        ref_by_seeds = {}
+    candidates = [*groups[ref], *outside] if ref_by_seeds else []  # the sweep's own reference first
+    paired_outside = set()
+    elsewhere = []  # (run, its start, the reference's start): compared across two initial models
     for label, rs in groups.items():
-        deltas = [r["final"] - ref_final[r["seeds"]] for r in rs if r["seeds"] in ref_final]
+        deltas, crossed = [], 0
+        for r in rs:
+            match = next((c for c in candidates if c["seeds"] == r["seeds"] and same_start(c, r)), None)
+            if match is not None:
+                deltas.append(r["final"] - match["final"])
+                if match is not ref_by_seeds[r["seeds"]]:
+                    paired_outside.add(r["name"])
+            elif r["seeds"] in ref_by_seeds:
+                other = ref_by_seeds[r["seeds"]]
+                deltas.append(r["final"] - other["final"])
+                crossed += 1
+                elsewhere.append((r["name"], r["initial"], other["initial"]))
         delta = "—" if label == ref or not deltas else (
-            f"{spread(deltas, '+.3f')} ({sum(d < 0 for d in deltas)} of {len(deltas)} below)")
+            f"{spread(deltas, '+.3f')} ({sum(d < 0 for d in deltas)} of {len(deltas)} below)"
+            + (f" † {crossed}" if crossed else ""))
         reached = [next((x for x, y in zip(*r["curve"]) if y >= threshold), None) for r in rs]
         to_thr = spread([x if x is not None else r["steps"] for x, r in zip(reached, rs)], ".0f")
         never = sum(x is None for x in reached)
@@ -149,6 +195,15 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None) -> Path:
             f"{spread([r['disagreement'] for r in rs], '.1e')} | {spread([r['stale'] for r in rs], '.0f')} | "
             f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
             f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
+    if paired_outside:
+        lines += ["", (f"{len(paired_outside)} runs started from another initial model than the `{ref}` run of their "
+                       f"seeds and are paired with the reference run of their seeds and initial model from "
+                       f"{', '.join(f'`{Path(o)}`' for o in references)}: {', '.join(sorted(paired_outside))}.")]
+    if elsewhere:
+        lines += ["", (f"† {len(elsewhere)} runs started from another initial model than the `{ref}` run of their "
+                       "seeds (a warm start recomputed elsewhere: its weights differ): their Δ compares two starting "
+                       "points. Initial held-out reward, the run's / the reference's:"), "",
+                  *[f"- {name}: {mine:.3f} / {theirs:.3f}" for name, mine, theirs in elsewhere]]
     if problems:
         lines += ["", "Not in the table:", "", *[f"- {p}" for p in problems]]
     plots = _plots(sweep_dir / "plots", groups)

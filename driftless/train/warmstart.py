@@ -52,6 +52,17 @@ def cache_key(model_config: TinyLMConfig, task, ws: WarmStartConfig, max_new_tok
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the parameters' bytes in order: the same key can train other weights on another CPU (the
+    warm start runs in fast mode, whose bits follow the kernel set), and a study must not pair runs that
+    started from different models (the sweep report flags them)."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig, *, max_new_tokens: int,
                cache_dir: str | Path = "runs/warmstart", progress: bool = True):
     """Train (or load from the cache) the warm-started model; returns (model, info)."""
@@ -59,7 +70,7 @@ def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig,
     out_dir = Path(cache_dir) / key
     if (out_dir / "model.safetensors").exists() and (out_dir / "info.json").exists():
         model, _ = load_model(out_dir / "model.safetensors")
-        return model, json.loads((out_dir / "info.json").read_text())
+        return model, {**json.loads((out_dir / "info.json").read_text()), "weights_sha256": weights_digest(model)}
     torch.manual_seed(ws.seed)
     model = TinyLM(model_config)
     model.reset_parameters(seed=ws.seed)
@@ -84,7 +95,8 @@ def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig,
         bar.set_postfix(loss=f"{loss_value:.3f}")
     result = evaluate(model, task, tokenizer, task.eval_set(ws.eval_problems), max_new_tokens=max_new_tokens)
     info = {"key": key, "final_loss": loss_value, "seconds": time.time() - t0, **result,
-            "config": asdict(ws), "model": asdict(model_config)}
+            "config": asdict(ws), "model": asdict(model_config),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "weights_sha256": weights_digest(model)}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(model, out_dir / "model.safetensors", version=0)
     tmp = out_dir / "info.json.tmp"
