@@ -24,6 +24,7 @@ the headline in under 20 minutes on 2 cores.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,7 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
             raise RuntimeError(f"study {claim.name}: trials failed: "
                                + "; ".join(f"{k}: {v}" for k, v in out["failed"].items()))
         write_sweep_report(root / claim.name, by=list(claim.by),
-                           references=[REPO / r for r in claim.references if (REPO / r).is_dir()])
+                           references=[os.path.relpath(REPO / r) for r in claim.references if (REPO / r).is_dir()])
         if progress:
             print(f"study: {claim.name} done ({len(out['trials'])} trials, {out['reused']} reused, {spent:.0f} s); "
                   f"its record: {root / claim.name}/report.md")

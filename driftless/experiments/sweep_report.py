@@ -152,7 +152,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
              (f"{len(runs)} runs in {len(groups)} groups by {', '.join(by)}; mean [min, max] over each group's runs. "
              f"Threshold {threshold:.3f} (halfway from the mean initial held-out reward to `{ref}`'s mean final); "
              f"collapse: held-out reward below its start − {COLLAPSE_MARGIN} for good. Regenerate with "
-             f"`driftless report {sweep_dir}`."), "",
+             f"`driftless report {sweep_dir}{''.join(f' --references {o}' for o in references)}`."), "",
              (f"Δ vs `{ref}`: final held-out reward minus that of the `{ref}` run with the same seeds; "
               "how many runs end below it."), "",
              (f"| {' / '.join(by)} | runs | final eval | Δ vs `{ref}` | best eval | AUC | steps to threshold | "
