@@ -14,8 +14,8 @@ Two execution modes (``model.execution``):
   elementwise one, and attention writes K/V into the cache first and reads them from it. Same
   weights + same history => bitwise-equal logits for any batch size, composition, padding,
   prefill/decode split, thread count, BLAS and CPU generation. The aligned forward defines the
-  values; gradients come from a recomputed fast forward (custom autograd), so the backward is
-  the fast path's, validated against float64 in the tests.
+  values; each aligned piece is one autograd node whose backward is the fast path's, evaluated at
+  the aligned activations (no fast forward is recomputed), validated against float64 in the tests.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from torch import nn
 
 from driftless.models.selftest import ensure_aligned
 from driftless.ops.exact import (
+    aligned_linear,
+    aligned_rms_norm,
+    aligned_silu_mul,
     exact_attention,
     exact_linear,
     exact_rms_norm,
@@ -244,9 +247,9 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: torch.Tensor | None = None):
         tokens, start = self._check(tokens, cache, start)
         if self.execution == "aligned":
-            if torch.is_grad_enabled() and cache is None and any(p.requires_grad for p in self.parameters()):
-                params = tuple(self.parameters())
-                return _AlignedForward.apply(self, tokens, start, *params)
+            if cache is not None and torch.is_grad_enabled():
+                with torch.no_grad():  # aligned gradients are defined for full forwards (training), not decode
+                    return self._forward(tokens, cache, start, aligned=True)
             return self._forward(tokens, cache, start, aligned=True)
         return self._forward(tokens, cache, start, aligned=False)
 
@@ -286,7 +289,11 @@ class TinyLM(nn.Module):
         weights = [layer.weight for layer in layers]
         if self.aligned_gemm is not None:  # the self-test's negative control
             return [self.aligned_gemm(x, w) for w in weights]
-        out = exact_linear(x, grid=self._grid(*layers))
+        grid = self._grid(*layers)
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            out = aligned_linear(x, torch.cat(weights) if len(weights) > 1 else weights[0], grid)
+        else:
+            out = exact_linear(x, grid=grid)
         return list(out.split([w.shape[0] for w in weights], dim=-1))
 
     def _grid(self, *layers: nn.Linear) -> torch.Tensor:
@@ -308,7 +315,8 @@ class TinyLM(nn.Module):
 
     def _norm(self, x, weight, aligned: bool):
         if aligned:
-            return exact_rms_norm(x, weight, self.config.norm_eps)
+            return aligned_rms_norm(x, weight, self.config.norm_eps) if torch.is_grad_enabled() else \
+                exact_rms_norm(x, weight, self.config.norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.norm_eps)
 
     def _record(self, name: str, value: torch.Tensor) -> None:
@@ -332,7 +340,8 @@ class TinyLM(nn.Module):
         elif cache is not None:
             visible = (torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None])[:, None]
         record = self._record if aligned and self.trace is not None else None
-        if aligned and t == 1 and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
+        grad = aligned and torch.is_grad_enabled()  # a training forward: each aligned piece an autograd node
+        if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
             for i, layer in enumerate(self.layers):
                 q, *grids, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._grid(layer.wq, layer.wk, layer.wv),
                                                          cos, sin, c.norm_eps, c.n_head, c.n_kv_head, c.max_seq_len)
@@ -364,9 +373,12 @@ class TinyLM(nn.Module):
             if self.numerics is not None and self.numerics.kv is not None:
                 k, v = self.numerics.kv_write(k), self.numerics.kv_write(v)  # quantized once, when written
             if aligned:  # written first, then read back: a query sees the same slots in prefill and decode
-                cache.write_aligned(i, k, v, positions)
+                cache.write_aligned(i, k.detach(), v.detach(), positions)  # codes: values only
                 k_grid, v_codes, v_scale = (buf[:, :, :span] for buf in cache.aligned[i])
-                attn = exact_attention(q, k_grid, v_codes, v_scale, hidden, c.max_seq_len)
+                if grad:
+                    attn = _AlignedAttention.apply(q, k, v, k_grid, v_codes, v_scale, hidden, c.max_seq_len, groups)
+                else:
+                    attn = exact_attention(q, k_grid, v_codes, v_scale, hidden, c.max_seq_len)
             elif cache is None:
                 attn = _sdpa(q, k, v, groups, is_causal=True)
             else:
@@ -377,7 +389,10 @@ class TinyLM(nn.Module):
             x = x + out
             h = self._norm(x, layer.mlp_norm, aligned)
             gate, up = self._linears(h, aligned, layer.w_gate, layer.w_up)
-            act = exact_silu_mul(gate, up) if aligned else F.silu(gate) * up
+            if aligned:
+                act = aligned_silu_mul(gate, up) if grad else exact_silu_mul(gate, up)
+            else:
+                act = F.silu(gate) * up
             down = self._linear(act, layer.w_down, aligned)
             x = x + down
             if record:
@@ -421,23 +436,23 @@ def _sdpa(q, k, v, groups: int, **kwargs):
     return F.scaled_dot_product_attention(q, k, v, scale=1.0, **kwargs)
 
 
-class _AlignedForward(torch.autograd.Function):
-    """Values from the aligned forward; gradients from a recomputed fast forward."""
+class _AlignedAttention(torch.autograd.Function):
+    """Aligned attention's values (over the cached grids); the gradient of causal SDPA at (q, k, v).
+
+    Only full forwards from position 0 take gradients (``TinyLM.forward``), so causal SDPA over the
+    same q, k, v is the fast definition of what the grids hold.
+    """
 
     @staticmethod
-    def forward(ctx, model, tokens, start, *params):
-        with torch.no_grad():
-            logits = model._forward(tokens, None, start, aligned=True)
-        ctx.model = model
-        ctx.save_for_backward(tokens, start)
-        return logits
+    def forward(ctx, q, k, v, k_grid, v_codes, v_scale, hidden, max_len: int, groups: int):
+        ctx.save_for_backward(q, k, v)
+        ctx.groups = groups
+        return exact_attention(q, k_grid, v_codes, v_scale, hidden, max_len)
 
     @staticmethod
-    def backward(ctx, grad_logits):
-        tokens, start = ctx.saved_tensors
-        model = ctx.model
-        params = tuple(model.parameters())
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
         with torch.enable_grad():
-            logits = model._forward(tokens, None, start, aligned=False)
-            grads = torch.autograd.grad(logits, params, grad_logits, allow_unused=True)
-        return (None, None, None, *grads)
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            grads = torch.autograd.grad(_sdpa(q, k, v, ctx.groups, is_causal=True), (q, k, v), grad)
+        return (*grads, None, None, None, None, None, None)

@@ -253,6 +253,76 @@ def exact_attention(q: torch.Tensor, k_grid: torch.Tensor, v_codes: torch.Tensor
     return torch.matmul(p, v_codes).float().reshape(b, h, tq, d)
 
 
+# ---------------------------------------------------------------- gradients of the pieces
+# Aligned values, the fast path's gradient at the aligned activations: each piece is one autograd
+# node whose forward is the aligned definition (compiled when fusion is on) and whose backward is
+# the plain fp32 one, evaluated at the inputs the aligned forward saw. A training step then runs the
+# aligned forward once and the fast backward once, with no recomputed fast forward.
+def _fast_grads(fn, ctx, grad, *inputs):
+    """Gradients of ``fn(*inputs)`` (the fast definition) for the inputs ``ctx`` needs them for."""
+    needs = ctx.needs_input_grad[:len(inputs)]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
+        wanted = [t for t, n in zip(leaves, needs) if n]
+        found = iter(torch.autograd.grad(fn(*leaves), wanted, grad) if wanted else ())
+    return tuple(next(found) if n else None for n in needs)
+
+
+class _AlignedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, grid):
+        ctx.save_for_backward(x, weight)
+        return exact_linear(x, grid=grid) if grid is not None else exact_linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+                  if ctx.needs_input_grad[1] else None)
+        return grad_x, grad_w, None
+
+
+def aligned_linear(x: torch.Tensor, weight: torch.Tensor, grid: torch.Tensor | None = None) -> torch.Tensor:
+    """``exact_linear``'s values with ``F.linear``'s gradient (``grid``: the weight's cached codes, optional)."""
+    return _AlignedLinear.apply(x, weight, grid)
+
+
+class _AlignedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return exact_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        fast = lambda x_, w_: torch.nn.functional.rms_norm(x_, (x_.shape[-1],), w_, ctx.eps)
+        return (*_fast_grads(fast, ctx, grad, x, weight), None)
+
+
+def aligned_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``exact_rms_norm``'s values with ``F.rms_norm``'s gradient."""
+    return _AlignedRMSNorm.apply(x, weight, eps)
+
+
+class _AlignedSiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return exact_silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _fast_grads(lambda g, u: torch.nn.functional.silu(g) * u, ctx, grad, *ctx.saved_tensors)
+
+
+def aligned_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``exact_silu_mul``'s values with the gradient of ``silu(gate) · up``."""
+    return _AlignedSiluMul.apply(gate, up)
+
+
 # ---------------------------------------------------------------- log-softmax with a gradient
 class _ExactLogSoftmax(torch.autograd.Function):
     @staticmethod

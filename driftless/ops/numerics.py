@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from driftless.ops.exact import exact_linear, split_bits, substitute, weight_grid
+from driftless.ops.exact import aligned_linear, exact_linear, split_bits, substitute, weight_grid
 from driftless.ops.quant import MINIFLOATS, SCALED_FORMATS, QuantSpec, _int_bits, minifloat_qdq
 
 TRAINER_NUMERICS = ("fp", "fwd-fq", "fwd-bwd-fq", "native")
@@ -80,7 +80,7 @@ class Numerics:
             return substitute(native_matmul(x.detach(), weight.detach(), self.act, self.weight), F.linear(a, w))
         if self.backward is not None:
             return _QuantGradLinear.apply(a, w, self.backward, aligned)
-        return exact_linear(a, w) if aligned else F.linear(a, w)
+        return aligned_linear(a, w) if aligned else F.linear(a, w)
 
     def kv_write(self, t: torch.Tensor) -> torch.Tensor:
         return self.kv.fake(t, self.ste) if self.kv is not None else t
