@@ -256,18 +256,8 @@ def exact_attention(q: torch.Tensor, k_grid: torch.Tensor, v_codes: torch.Tensor
 # ---------------------------------------------------------------- gradients of the pieces
 # Aligned values, the fast path's gradient at the aligned activations: each piece is one autograd
 # node whose forward is the aligned definition (compiled when fusion is on) and whose backward is
-# the plain fp32 one, evaluated at the inputs the aligned forward saw. A training step then runs the
+# the plain fp32 one (written out), evaluated at the inputs the aligned forward saw. A training step then runs the
 # aligned forward once and the fast backward once, with no recomputed fast forward.
-def _fast_grads(fn, ctx, grad, *inputs):
-    """Gradients of ``fn(*inputs)`` (the fast definition) for the inputs ``ctx`` needs them for."""
-    needs = ctx.needs_input_grad[:len(inputs)]
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
-        wanted = [t for t, n in zip(leaves, needs) if n]
-        found = iter(torch.autograd.grad(fn(*leaves), wanted, grad) if wanted else ())
-    return tuple(next(found) if n else None for n in needs)
-
-
 class _AlignedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, grid):
@@ -297,9 +287,13 @@ class _AlignedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # y = x · r · w with r = (mean(x²) + eps)^(−1/2): the derivative of F.rms_norm, written out
         x, weight = ctx.saved_tensors
-        fast = lambda x_, w_: torch.nn.functional.rms_norm(x_, (x_.shape[-1],), w_, ctx.eps)
-        return (*_fast_grads(fast, ctx, grad, x, weight), None)
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        gw = grad * weight
+        grad_x = r * (gw - x * (r * r * (gw * x).mean(-1, keepdim=True))) if ctx.needs_input_grad[0] else None
+        grad_w = (grad * x * r).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
 
 def aligned_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -315,7 +309,12 @@ class _AlignedSiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _fast_grads(lambda g, u: torch.nn.functional.silu(g) * u, ctx, grad, *ctx.saved_tensors)
+        # silu(g) = g · σ(g), silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        grad_gate = grad * up * sig * (1 + gate * (1 - sig)) if ctx.needs_input_grad[0] else None
+        grad_up = grad * gate * sig if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
 
 
 def aligned_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
