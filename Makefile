@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo study study-paper study-quick test test-vllm lint bench clean
+.PHONY: install demo study study-paper study-quick test test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -38,6 +38,10 @@ study-quick: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# the compiled aligned pieces against their eager definitions (minutes of inductor builds when cold); CI runs it too
+test-compiled: $(STAMP)
+	$(PY) -m pytest -m compiled tests
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)

@@ -4,6 +4,10 @@ The rest of the suite runs aligned execution eager (tests/conftest.py); this fil
 and compares: each piece on random inputs, the model's forward / prefill / decode, the sampler,
 and the cross-process check across the kernel sets this CPU reports (each process compiles for its
 own ISA: inductor follows ATEN_CPU_CAPABILITY). A machine where compiling fails fails here.
+
+Those comparisons compile for minutes with a cold inductor cache, so they carry the ``compiled``
+marker: ``make test`` leaves them out, ``make test-compiled`` runs them, and CI (.ci/run) runs both.
+The switch, fallback and cache-folder tests below run in ``make test``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def spread(shape, g, scale):
     return x
 
 
+@pytest.mark.compiled
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 40), k=st.sampled_from([3, 64, 192]),
        scale=st.sampled_from([1e-20, 1.0, 1e4]))
@@ -62,6 +67,7 @@ def test_fused_linear_norm_silu_equal_eager(seed, rows, k, scale):
     assert same(exact.exact_silu_mul, gate, x)
 
 
+@pytest.mark.compiled
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), b=st.integers(1, 4), t=st.integers(1, 12), span_extra=st.integers(0, 6),
        scale=st.sampled_from([1e-3, 1.0, 30.0]))
@@ -79,6 +85,7 @@ def test_fused_attention_and_kv_grids_equal_eager(seed, b, t, span_extra, scale)
     assert same(exact.exact_attention, q, k_grid, v_codes, v_scale, hidden, max_len)
 
 
+@pytest.mark.compiled
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 30), v=st.sampled_from([2, 64, 151]),
        scale=st.sampled_from([1e-6, 1.0, 50.0]))
@@ -96,6 +103,7 @@ def pad(seqs, width):
     return out
 
 
+@pytest.mark.compiled
 def test_fused_model_equals_eager_in_forward_prefill_and_decode():
     config = TinyLMConfig()  # the size the cross-process checks compile for too (one set of graphs)
     model = TinyLM(config, execution="aligned")
@@ -122,6 +130,7 @@ def test_fused_model_equals_eager_in_forward_prefill_and_decode():
         assert torch.equal(c, e)
 
 
+@pytest.mark.compiled
 def test_fused_sampler_records_the_eager_batch():
     model = TinyLM(TinyLMConfig(), execution="aligned")
     model.reset_parameters(seed=1)
@@ -147,6 +156,7 @@ PAIRS = [p for p in kernel_pairs() if "default" not in (p[0]["ATEN_CPU_CAPABILIT
     or list(kernel_pairs()[:1])
 
 
+@pytest.mark.compiled
 @pytest.mark.skipif(not PAIRS, reason="this CPU runs one kernel set only: no pair to compare")
 @pytest.mark.parametrize("pair", PAIRS, ids=[f"{s['ATEN_CPU_CAPABILITY']}-vs-{t['ATEN_CPU_CAPABILITY']}"
                                              for s, t in PAIRS])
