@@ -38,8 +38,7 @@ from driftless.ops.exact import (
     exact_silu_mul,
     hidden_slots,
     kv_grids,
-    split_bits,
-    weight_grid,
+    linear_weight,
 )
 from driftless.ops.fuse import fused
 from driftless.ops.numerics import Numerics
@@ -137,13 +136,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # inputs run the pieces one by one: there inductor, given a whole layer, fuses worse than piece by piece
 # (bench/rollout.py). The self-test compares the two paths bit for bit (decode against full forward).
 @fused
-def aligned_attention_in(x, norm_w, qkv_grid, cos, sin, eps: float, n_head: int, n_kv_head: int, max_len: int):
+def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n_kv_head: int, max_len: int):
     """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, K/V as the cache
     keeps them (``kv_grids``), and the traced intermediates: the normed input and q|k|v)."""
     b, t, d = x.shape
     hd = d // n_head
     h = exact_rms_norm.eager(x, norm_w, eps)
-    qkv = exact_linear.eager(h, grid=qkv_grid)
+    qkv = exact_linear.eager(h, wt=qkv_wt)
     q, k, v = qkv.split([n_head * hd, n_kv_head * hd, n_kv_head * hd], -1)
     q = q.reshape(b, t, n_head, hd).transpose(1, 2)
     k = k.reshape(b, t, n_kv_head, hd).transpose(1, 2)
@@ -154,27 +153,27 @@ def aligned_attention_in(x, norm_w, qkv_grid, cos, sin, eps: float, n_head: int,
 
 
 @fused
-def aligned_attention_out_mlp(x, q, k_grid, v_codes, v_scale, hidden, wo_grid, mlp_norm_w, gate_up_grid, down_grid,
+def aligned_attention_out_mlp(x, q, k_grid, v_codes, v_scale, hidden, wo_wt, mlp_norm_w, gate_up_wt, down_wt,
                               eps: float, max_len: int):
     """The rest of one layer: attention over the cached slots, the output projection and residual,
     RMSNorm and the SwiGLU MLP and residual: (x out, and the traced intermediates)."""
     b, t, d = x.shape
     attn = exact_attention.eager(q, k_grid, v_codes, v_scale, hidden, max_len).transpose(1, 2).reshape(b, t, d)
-    out = exact_linear.eager(attn, grid=wo_grid)
+    out = exact_linear.eager(attn, wt=wo_wt)
     x = x + out
     h = exact_rms_norm.eager(x, mlp_norm_w, eps)
-    gate_up = exact_linear.eager(h, grid=gate_up_grid)
+    gate_up = exact_linear.eager(h, wt=gate_up_wt)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, -1)
     act = exact_silu_mul.eager(gate, up)
-    down = exact_linear.eager(act, grid=down_grid)
+    down = exact_linear.eager(act, wt=down_wt)
     return x + down, attn, out, h, gate_up, act, down
 
 
 @fused
-def aligned_head(x, norm_w, lm_grid, eps: float):
+def aligned_head(x, norm_w, lm_wt, eps: float):
     """Final RMSNorm and the LM head: (logits, the normed input)."""
     h = exact_rms_norm.eager(x, norm_w, eps)
-    return exact_linear.eager(h, grid=lm_grid), h
+    return exact_linear.eager(h, wt=lm_wt), h
 
 
 class TinyLM(nn.Module):
@@ -203,8 +202,8 @@ class TinyLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.numerics: Numerics | None = None  # fake / native quantization of operands (ops.numerics)
         self.trace: list | None = None  # when a list, aligned forwards append (name, [B, T, ...] output)
-        self._codes: dict = {}
-        self.aligned_gemm = None  # replaces the exact GEMM (only the self-test's negative control does)  # weight codes of aligned GEMMs, keyed by the weights' identity and version
+        self._codes: dict = {}  # aligned GEMMs' weight layouts, keyed by the weights' identity and version
+        self.aligned_gemm = None  # replaces the fixed-order GEMM (only the self-test's negative control does)
         self.execution = execution
         self.reset_parameters()
 
@@ -285,26 +284,26 @@ class TinyLM(nn.Module):
         return self._exact_linears(x, layer)[0] if aligned else F.linear(x, layer.weight)
 
     def _exact_linears(self, x, *layers: nn.Linear) -> list[torch.Tensor]:
-        """Aligned ``x @ W^T`` for several weights sharing the input: one exact GEMM, codes cached."""
+        """Aligned ``x @ W^T`` for several weights sharing the input: one fixed-order GEMM, layout cached."""
         weights = [layer.weight for layer in layers]
         if self.aligned_gemm is not None:  # the self-test's negative control
             return [self.aligned_gemm(x, w) for w in weights]
-        grid = self._grid(*layers)
+        wt = self._weight_t(*layers)
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-            out = aligned_linear(x, torch.cat(weights) if len(weights) > 1 else weights[0], grid)
+            out = aligned_linear(x, torch.cat(weights) if len(weights) > 1 else weights[0], wt)
         else:
-            out = exact_linear(x, grid=grid)
+            out = exact_linear(x, wt=wt)
         return list(out.split([w.shape[0] for w in weights], dim=-1))
 
-    def _grid(self, *layers: nn.Linear) -> torch.Tensor:
-        """The aligned GEMM's weight codes for these layers' weights stacked (cached per weights' version)."""
+    def _weight_t(self, *layers: nn.Linear) -> torch.Tensor:
+        """The aligned GEMM's ``[K, N]`` weight for these layers' weights stacked (cached per weights' version)."""
         weights = [layer.weight for layer in layers]
         key = tuple(id(w) for w in weights)
         stamp = tuple((w._version, w.data_ptr()) for w in weights)
         entry = self._codes.get(key)
         if entry is None or entry[0] != stamp:
             w = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-            entry = (stamp, weight_grid(w, split_bits(w.shape[1])[1]))
+            entry = (stamp, linear_weight(w))
             self._codes[key] = entry
         return entry[1]
 
@@ -343,18 +342,18 @@ class TinyLM(nn.Module):
         grad = aligned and torch.is_grad_enabled()  # a training forward: each aligned piece an autograd node
         if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
             for i, layer in enumerate(self.layers):
-                q, *grids, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._grid(layer.wq, layer.wk, layer.wv),
+                q, *grids, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._weight_t(layer.wq, layer.wk, layer.wv),
                                                          cos, sin, c.norm_eps, c.n_head, c.n_kv_head, c.max_seq_len)
                 cache.write_grids(i, grids, positions)  # written first, then read back (as below)
                 k_grid, v_codes, v_scale = (buf[:, :, :span] for buf in cache.aligned[i])
                 x, attn, out, h2, gate_up, act, down = aligned_attention_out_mlp(
-                    x, q, k_grid, v_codes, v_scale, hidden, self._grid(layer.wo), layer.mlp_norm.detach(),
-                    self._grid(layer.w_gate, layer.w_up), self._grid(layer.w_down), c.norm_eps, c.max_seq_len)
+                    x, q, k_grid, v_codes, v_scale, hidden, self._weight_t(layer.wo), layer.mlp_norm.detach(),
+                    self._weight_t(layer.w_gate, layer.w_up), self._weight_t(layer.w_down), c.norm_eps, c.max_seq_len)
                 if record:
                     for name, value in (("attn_norm", h), ("wq|wk|wv", qkv), ("attention", attn), ("wo", out),
                                         ("mlp_norm", h2), ("w_gate|w_up", gate_up), ("silu*up", act), ("w_down", down)):
                         record(f"layer {i} {name}", value)
-            logits, h = aligned_head(x, self.final_norm.detach(), self._grid(self.lm_head), c.norm_eps)
+            logits, h = aligned_head(x, self.final_norm.detach(), self._weight_t(self.lm_head), c.norm_eps)
             if record:
                 record("final_norm", h)
                 record("lm_head", logits)

@@ -4,26 +4,31 @@ Aligned execution promises the same bits for a sequence whatever the batch, padd
 prefill/decode split, thread count, BLAS code path or CPU generation. Floating-point reductions
 cannot promise that (their order changes with all of these), and neither can vectorised
 transcendental functions (their polynomials change with the SIMD width). So aligned mode uses
-only three kinds of operation, each exact or correctly rounded by IEEE 754 on every machine:
+only four kinds of operation, each exact or correctly rounded by IEEE 754 on every machine:
 
 1. **Elementwise + − × ÷ √, comparisons, max, round, casts** (each result correctly rounded,
    one kernel per operation, so nothing can be fused into an FMA), and powers of two built from
    their bits (``pow2``).
-2. **Integer arithmetic in float64.** An operand is written as fixed-point codes along its
+2. **Fixed-order float32 GEMMs** for the linear layers (``exact_linear``): every output is one
+   chain of fused multiply-adds in ``k`` order (``ops.fixed_mm``), vectorised only across
+   independent outputs and threaded only across whole outputs, so no machine can reorder a sum.
+3. **Integer arithmetic in float64.** An operand is written as fixed-point codes along its
    reduction dimension, ``x ≈ c · 2^(e − b)`` with integers ``|c| ≤ 2^b`` and ``e`` the exponent
    of the row's largest magnitude (``fixed_point``). A product of codes is an integer below
    ``2^(b_x + b_y)`` and a sum of ``K`` of them stays below ``2^53`` when
    ``b_x + b_y + ⌈log2 K⌉ ≤ 53``: every partial sum is then an exactly representable integer,
    so **any** summation order (any blocking, threading, SIMD width or BLAS) gives the same
-   result. GEMMs (``exact_linear``, attention) and sums (``exact_sum``) are float64 GEMMs /
+   result. Attention's GEMMs and the sums (``exact_sum``: RMSNorm, softmax) are float64 GEMMs /
    sums of such codes, scaled back by powers of two (exact) and rounded once.
-3. **exp and log from (1)**: ``exp64`` / ``log64`` evaluate fixed polynomials in float64 with
+4. **exp and log from (1)**: ``exp64`` / ``log64`` evaluate fixed polynomials in float64 with
    separate multiply and add kernels, so they give the same bits on any CPU (unlike
    ``torch.exp``, whose AVX2 and AVX-512 kernels may differ in the last place).
 
-Precision: ``b ≈ 21–23`` bits per operand relative to the row maximum, comparable to an fp32
-GEMM's own rounding (about 2^-24 per product, plus the accumulation error that exact sums do
-not have). This is the Ozaki-style exact-accumulation idea (Ozaki et al., 2012) with one slice.
+Precision: the linear layers are float32 GEMMs with sequential accumulation (an ordinary fp32
+GEMM's error); the exact codes carry ``b ≈ 21–23`` bits per operand relative to the row maximum
+and sum without error. (3) is the Ozaki-style exact-accumulation idea (Ozaki et al., 2012) with
+one slice; the linear layers used it too until the fixed-order GEMM, which is twice as fast as a
+float64 GEMM on CPUs where float64 runs at half the float32 rate.
 
 The model-level pieces (``@fused``) run compiled by inductor when fusion is on (``ops.fuse``:
 why the compiled code gives these functions' bits on any CPU); their definitions are the eager code here.
@@ -35,6 +40,7 @@ import math
 
 import torch
 
+from driftless.ops.fixed_mm import fixed_order_mm
 from driftless.ops.fuse import fused
 
 MANTISSA = 53  # float64 significand bits: integers up to 2^53 are exact
@@ -107,22 +113,21 @@ def exact_sum(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- GEMMs
-def weight_grid(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """A ``[N, K]`` weight snapped per output row and transposed for ``x @ W^T``: ``[K, N]`` float64."""
-    return snap(weight.detach(), bits).t().contiguous()
+def linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A ``[N, K]`` weight laid out for ``exact_linear``: ``[K, N]`` float32, contiguous (cache it per version)."""
+    return weight.detach().float().t().contiguous()
 
 
 @fused
-def exact_linear(x: torch.Tensor, weight: torch.Tensor | None = None, *, grid: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T`` (no bias), fp32 result, the same bits on any machine for each row.
+def exact_linear(x: torch.Tensor, weight: torch.Tensor | None = None, *, wt: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T`` (no bias), fp32, the same bits on any machine for each row: ``fixed_order_mm``.
 
-    ``grid`` may pass a precomputed ``weight_grid(weight, split_bits(K)[1])`` (cached per weight version).
+    ``wt`` may pass a precomputed ``linear_weight(weight)`` (cached per weight version).
     """
-    bx, bw = split_bits(x.shape[-1])
-    if grid is None:
-        grid = weight_grid(weight, bw)
-    rows = snap(x.reshape(-1, x.shape[-1]), bx)  # 2-D: one GEMM (a 3-D matmul may broadcast the grid)
-    return torch.mm(rows, grid).float().reshape(*x.shape[:-1], grid.shape[1])  # one quantum per output: exact
+    if wt is None:
+        wt = linear_weight(weight)
+    rows = x.reshape(-1, x.shape[-1])
+    return fixed_order_mm(rows, wt).reshape(*x.shape[:-1], wt.shape[1])
 
 
 # ---------------------------------------------------------------- exp and log
@@ -260,9 +265,9 @@ def exact_attention(q: torch.Tensor, k_grid: torch.Tensor, v_codes: torch.Tensor
 # aligned forward once and the fast backward once, with no recomputed fast forward.
 class _AlignedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, grid):
+    def forward(ctx, x, weight, wt):
         ctx.save_for_backward(x, weight)
-        return exact_linear(x, grid=grid) if grid is not None else exact_linear(x, weight)
+        return exact_linear(x, wt=wt) if wt is not None else exact_linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -273,9 +278,9 @@ class _AlignedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def aligned_linear(x: torch.Tensor, weight: torch.Tensor, grid: torch.Tensor | None = None) -> torch.Tensor:
-    """``exact_linear``'s values with ``F.linear``'s gradient (``grid``: the weight's cached codes, optional)."""
-    return _AlignedLinear.apply(x, weight, grid)
+def aligned_linear(x: torch.Tensor, weight: torch.Tensor, wt: torch.Tensor | None = None) -> torch.Tensor:
+    """``exact_linear``'s values with ``F.linear``'s gradient (``wt``: the cached ``linear_weight``, optional)."""
+    return _AlignedLinear.apply(x, weight, wt)
 
 
 class _AlignedRMSNorm(torch.autograd.Function):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from driftless.ops.exact import aligned_linear, exact_linear, split_bits, substitute, weight_grid
+from driftless.ops.exact import aligned_linear, exact_linear, linear_weight, substitute
 from driftless.ops.quant import MINIFLOATS, SCALED_FORMATS, QuantSpec, _int_bits, minifloat_qdq
 
 TRAINER_NUMERICS = ("fp", "fwd-fq", "fwd-bwd-fq", "native")
@@ -64,7 +64,7 @@ class Numerics:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, aligned: bool, cache: dict | None = None) -> torch.Tensor:
         """``x W^T`` under these numerics. ``cache`` (aligned, no gradient) keeps the fake-quantized
-        weight's grid per weight version, so decode steps do not re-quantize the weights."""
+        weight's layout per weight version, so decode steps do not re-quantize the weights."""
         a = self.act.fake(x, self.ste) if self.act is not None else x
         if aligned and cache is not None and not self.native and self.backward is None and not torch.is_grad_enabled():
             key = (id(weight), id(self))
@@ -72,9 +72,9 @@ class Numerics:
             entry = cache.get(key)
             if entry is None or entry[0] != stamp:
                 w = self.weight.fake(weight, self.ste) if self.weight is not None else weight
-                entry = (stamp, weight_grid(w, split_bits(x.shape[-1])[1]))
+                entry = (stamp, linear_weight(w))
                 cache[key] = entry
-            return exact_linear(a, grid=entry[1])
+            return exact_linear(a, wt=entry[1])
         w = self.weight.fake(weight, self.ste) if self.weight is not None else weight
         if self.native:  # values: exact codes (the same in both modes); gradient: STE through F.linear
             return substitute(native_matmul(x.detach(), weight.detach(), self.act, self.weight), F.linear(a, w))

@@ -1,0 +1,95 @@
+"""The fixed-order GEMM (ops/fixed_mm.py): one fma chain per output, the same bits whatever the machine does."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from driftless.ops import fixed_mm
+from driftless.ops.fixed_mm import fixed_order_mm, fixed_order_mm_reference
+
+
+def _operands(seed: int, m: int, k: int, n: int, spread: float) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # rows and columns of very different magnitudes: the chain's roundings matter
+    a = torch.randn(m, k, generator=g) * torch.exp(spread * torch.randn(m, 1, generator=g))
+    b = torch.randn(k, n, generator=g) * torch.exp(spread * torch.randn(1, n, generator=g))
+    return a, b
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 9), k=st.integers(1, 70), n=st.integers(1, 40),
+       spread=st.sampled_from([0.0, 3.0, 10.0]))
+def test_the_compiled_kernel_gives_the_reference_chain_bit_for_bit(seed, m, k, n, spread):
+    a, b = _operands(seed, m, k, n, spread)
+    assert torch.equal(fixed_order_mm(a, b), fixed_order_mm_reference(a, b))
+    assert fixed_mm.kernel_failure() is None  # the compiled kernel was what ran
+
+
+def test_each_step_is_one_fma_not_a_double_then_float_rounding():
+    # 1 + (2^-24 + 2^-60): just above the midpoint between 1 and 1 + 2^-23. One rounding (an fma) goes up;
+    # rounding to float64 first lands exactly on the midpoint and then ties to even, down to 1.
+    a1 = (1 + 2.0**-12) * 2.0**-24
+    b1 = 1 - 2.0**-12 + 2.0**-24
+    a = torch.tensor([[1.0, a1]])
+    b = torch.tensor([[1.0], [b1]])
+    assert float(torch.tensor(a1, dtype=torch.float32)) == a1 and float(torch.tensor(b1, dtype=torch.float32)) == b1
+    naive = (a.double() @ b.double()).float()
+    assert naive.item() == 1.0  # the test can tell the two apart
+    assert fixed_order_mm(a, b).item() == 1 + 2.0**-23
+    assert fixed_order_mm_reference(a, b).item() == 1 + 2.0**-23
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(2, 300), lo=st.integers(0, 299), size=st.integers(1, 40))
+def test_a_row_does_not_depend_on_its_neighbours_or_the_thread_count(seed, m, lo, size):
+    a, b = _operands(seed, m, 192, 576, 2.0)  # large enough to run on several threads
+    lo = min(lo, m - 1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = fixed_order_mm(a, b)
+        torch.set_num_threads(1)
+        assert torch.equal(fixed_order_mm(a, b), full)
+        assert torch.equal(fixed_order_mm(a[lo:lo + size], b), full[lo:lo + size])
+        assert torch.equal(fixed_order_mm(a.flip(0), b), full.flip(0))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_it_is_an_fp32_gemm_in_accuracy():
+    a, b = _operands(0, 64, 512, 96, 0.0)
+    exact = a.double() @ b.double()
+    err = (fixed_order_mm(a, b).double() - exact).abs().max().item()
+    assert 0 < err < 1e-4 * exact.abs().max().item()
+
+
+def test_bad_operands_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[K, N\]"):
+        fixed_order_mm(torch.zeros(2, 3), torch.zeros(4, 5))
+    with pytest.raises(ValueError, match="float32"):
+        fixed_order_mm(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3, 5))
+
+
+def test_without_a_compiler_it_warns_once_and_gives_the_same_bits(tmp_path):
+    a, b = _operands(7, 5, 33, 19, 3.0)
+    torch.save({"a": a, "b": b}, tmp_path / "ab.pt")
+    script = (
+        "import warnings, torch\n"
+        "from driftless.ops.fixed_mm import fixed_order_mm, kernel_failure\n"
+        f"d = torch.load({str(tmp_path / 'ab.pt')!r})\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    c = fixed_order_mm(d['a'], d['b'])\n"
+        "    fixed_order_mm(d['a'], d['b'])\n"
+        f"torch.save(c, {str(tmp_path / 'c.pt')!r})\n"
+        "print(len([x for x in w if 'fixed-order GEMM' in str(x.message)]), kernel_failure() is not None)\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1", "True"]
+    assert torch.equal(torch.load(tmp_path / "c.pt"), fixed_order_mm(a, b))
