@@ -9,18 +9,47 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from driftless.ops.exact import (
+    exact_attention,
     exact_linear,
     exact_log_softmax,
     exact_sum,
     exp32,
     exp64,
     fixed_point,
+    hidden_slots,
     log64,
     pow2,
     reduction_bits,
     snap,
     split_bits,
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 4), t=st.integers(1, 10), extra=st.integers(1, 20),
+       groups=st.sampled_from([1, 3]), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_exact_attention_ignores_slots_it_cannot_see_and_other_rows(seed, b, t, extra, groups, scale):
+    g = torch.Generator().manual_seed(seed)
+    d, max_len = 16, 64
+    positions = torch.randint(0, 8, (b,), generator=g)[:, None] + torch.arange(t)[None]
+    span = int(positions.max()) + 1
+    k, v = (torch.randn(b, 1, span + extra, d, generator=g) * scale for _ in range(2))
+    q = torch.randn(b, groups, t, d, generator=g) * scale
+    out = exact_attention(q, k[:, :, :span], v[:, :, :span], hidden_slots(positions, span, groups), max_len)
+    # more slots (never visible to these queries, finite values) change no bit
+    wide = exact_attention(q, k, v, hidden_slots(positions, span + extra, groups), max_len)
+    assert torch.equal(out, wide)
+    # a row alone gives its bits in the batch; so does its last query alone (a decode step)
+    one = exact_attention(q[-1:], k[-1:, :, :span], v[-1:, :, :span], hidden_slots(positions[-1:], span, groups), max_len)
+    assert torch.equal(one, out[-1:])
+    last = exact_attention(q[:, :, -1:], k[:, :, :span], v[:, :, :span], hidden_slots(positions[:, -1:], span, groups),
+                           max_len)
+    assert torch.equal(last, out[:, :, -1:])
+    # and it is attention: close to softmax(q kᵀ + mask) v in float64
+    s64 = (q.double() @ k[:, :, :span].double().transpose(-1, -2)).masked_fill(
+        torch.arange(span)[None, None, None, :] > positions[:, None, :, None], float("-inf"))
+    ref = torch.softmax(s64, -1) @ v[:, :, :span].double()
+    assert (out.double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
 
 
 def test_pow2_is_exact_over_the_whole_range():

@@ -60,8 +60,7 @@ def test_fused_linear_norm_silu_equal_eager(seed, rows, k, scale):
     g = torch.Generator().manual_seed(seed)
     x, w = spread((rows, k), g, scale), torch.randn(24, k, generator=g)
     assert same(exact.exact_linear, x, w)
-    grid = exact.weight_grid(w, exact.split_bits(k)[1])
-    assert same(exact.exact_linear, x, grid=grid)
+    assert same(exact.exact_linear, x, wt=exact.linear_weight(w))
     assert same(exact.exact_rms_norm, x, torch.rand(k, generator=g) + 0.5, 1e-5)
     gate = spread((rows, k), g, scale * 30)  # SiLU's far tails: e^(−gate) under- and overflows
     assert same(exact.exact_silu_mul, gate, x)
@@ -71,18 +70,16 @@ def test_fused_linear_norm_silu_equal_eager(seed, rows, k, scale):
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), b=st.integers(1, 4), t=st.integers(1, 12), span_extra=st.integers(0, 6),
        scale=st.sampled_from([1e-3, 1.0, 30.0]))
-def test_fused_attention_and_kv_grids_equal_eager(seed, b, t, span_extra, scale):
+def test_fused_attention_equals_eager(seed, b, t, span_extra, scale):
     g = torch.Generator().manual_seed(seed)
     h, h_kv, d, max_len = 2, 1, 16, 64
     start = torch.randint(0, 8, (b,), generator=g)
     positions = start[:, None] + torch.arange(t)[None]
     span = int(positions.max()) + 1 + span_extra
     k, v = (torch.randn(b, h_kv, span, d, generator=g) * scale for _ in range(2))
-    assert same(exact.kv_grids, k, v, max_len)
-    k_grid, v_codes, v_scale = exact.kv_grids.eager(k, v, max_len)
     q = torch.randn(b, h, t, d, generator=g) * scale
     hidden = exact.hidden_slots(positions, span, h // h_kv)
-    assert same(exact.exact_attention, q, k_grid, v_codes, v_scale, hidden, max_len)
+    assert same(exact.exact_attention, q, k, v, hidden, max_len)
 
 
 @pytest.mark.compiled

@@ -37,7 +37,6 @@ from driftless.ops.exact import (
     exact_rms_norm,
     exact_silu_mul,
     hidden_slots,
-    kv_grids,
     linear_weight,
 )
 from driftless.ops.fuse import fused
@@ -79,15 +78,13 @@ class TinyLMConfig:
 class KVCache:
     """Per-layer K/V ``[B, n_kv_head, max_seq_len, head_dim]``, zero-initialised (inert slots).
 
-    Aligned execution keeps, instead of K and V, what its attention reads (``ops.exact.kv_grids``):
-    K snapped per slot, V's integer codes and per-slot scale, in float64.
+    Fast and aligned execution keep the same thing: K (rotated) and V as written, one slot per position.
     """
 
     def __init__(self, config: TinyLMConfig, batch_size: int, dtype=torch.float32, device=None):
         self.shape = (batch_size, config.n_kv_head, config.max_seq_len, config.head_dim)
         self.k = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.aligned: list | None = None  # per layer: (k_grid, v_codes, v_scale)
         self.batch_size = batch_size
         self.max_len = config.max_seq_len
 
@@ -97,20 +94,6 @@ class KVCache:
         self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
 
-    def write_aligned(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        self.write_grids(layer, kv_grids(k, v, self.max_len), positions)
-
-    def write_grids(self, layer: int, grids: tuple, positions: torch.Tensor) -> None:
-        """``kv_grids`` output (each ``[B, n_kv, T, ·]``) written at ``positions [B, T]``."""
-        if self.aligned is None:
-            b, h, t, _ = self.shape
-            device = self.k[0].device
-            self.aligned = [(torch.zeros(self.shape, dtype=torch.float64, device=device),
-                             torch.zeros(self.shape, dtype=torch.float64, device=device),
-                             torch.zeros(b, h, t, 1, dtype=torch.float64, device=device)) for _ in self.k]
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        for buf, value in zip(self.aligned[layer], grids):
-            buf[rows, :, positions] = value.transpose(1, 2)
 
 
 def rope_tables(config: TinyLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +120,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # (bench/rollout.py). The self-test compares the two paths bit for bit (decode against full forward).
 @fused
 def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n_kv_head: int, max_len: int):
-    """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, K/V as the cache
-    keeps them (``kv_grids``), and the traced intermediates: the normed input and q|k|v)."""
+    """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, k rotated, v, and the
+    traced intermediates: the normed input and q|k|v)."""
     b, t, d = x.shape
     hd = d // n_head
     h = exact_rms_norm.eager(x, norm_w, eps)
@@ -149,16 +132,16 @@ def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n
     v = v.reshape(b, t, n_kv_head, hd).transpose(1, 2)
     q = apply_rope(q, cos, sin) * (1.0 / math.sqrt(hd))
     k = apply_rope(k, cos, sin)
-    return (q.contiguous(), *kv_grids.eager(k, v, max_len), h, qkv)
+    return q.contiguous(), k, v, h, qkv
 
 
 @fused
-def aligned_attention_out_mlp(x, q, k_grid, v_codes, v_scale, hidden, wo_wt, mlp_norm_w, gate_up_wt, down_wt,
+def aligned_attention_out_mlp(x, q, k, v, hidden, wo_wt, mlp_norm_w, gate_up_wt, down_wt,
                               eps: float, max_len: int):
     """The rest of one layer: attention over the cached slots, the output projection and residual,
     RMSNorm and the SwiGLU MLP and residual: (x out, and the traced intermediates)."""
     b, t, d = x.shape
-    attn = exact_attention.eager(q, k_grid, v_codes, v_scale, hidden, max_len).transpose(1, 2).reshape(b, t, d)
+    attn = exact_attention.eager(q, k, v, hidden, max_len).transpose(1, 2).reshape(b, t, d)
     out = exact_linear.eager(attn, wt=wo_wt)
     x = x + out
     h = exact_rms_norm.eager(x, mlp_norm_w, eps)
@@ -342,12 +325,11 @@ class TinyLM(nn.Module):
         grad = aligned and torch.is_grad_enabled()  # a training forward: each aligned piece an autograd node
         if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
             for i, layer in enumerate(self.layers):
-                q, *grids, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._weight_t(layer.wq, layer.wk, layer.wv),
+                q, k, v, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._weight_t(layer.wq, layer.wk, layer.wv),
                                                          cos, sin, c.norm_eps, c.n_head, c.n_kv_head, c.max_seq_len)
-                cache.write_grids(i, grids, positions)  # written first, then read back (as below)
-                k_grid, v_codes, v_scale = (buf[:, :, :span] for buf in cache.aligned[i])
+                cache.write(i, k, v, positions)  # written first, then read back (as below)
                 x, attn, out, h2, gate_up, act, down = aligned_attention_out_mlp(
-                    x, q, k_grid, v_codes, v_scale, hidden, self._weight_t(layer.wo), layer.mlp_norm.detach(),
+                    x, q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], hidden, self._weight_t(layer.wo), layer.mlp_norm.detach(),
                     self._weight_t(layer.w_gate, layer.w_up), self._weight_t(layer.w_down), c.norm_eps, c.max_seq_len)
                 if record:
                     for name, value in (("attn_norm", h), ("wq|wk|wv", qkv), ("attention", attn), ("wo", out),
@@ -372,12 +354,12 @@ class TinyLM(nn.Module):
             if self.numerics is not None and self.numerics.kv is not None:
                 k, v = self.numerics.kv_write(k), self.numerics.kv_write(v)  # quantized once, when written
             if aligned:  # written first, then read back: a query sees the same slots in prefill and decode
-                cache.write_aligned(i, k.detach(), v.detach(), positions)  # codes: values only
-                k_grid, v_codes, v_scale = (buf[:, :, :span] for buf in cache.aligned[i])
+                cache.write(i, k.detach(), v.detach(), positions)  # values only
+                k_slots, v_slots = cache.k[i][:, :, :span], cache.v[i][:, :, :span]
                 if grad:
-                    attn = _AlignedAttention.apply(q, k, v, k_grid, v_codes, v_scale, hidden, c.max_seq_len, groups)
+                    attn = _AlignedAttention.apply(q, k, v, k_slots, v_slots, hidden, c.max_seq_len, groups)
                 else:
-                    attn = exact_attention(q, k_grid, v_codes, v_scale, hidden, c.max_seq_len)
+                    attn = exact_attention(q, k_slots, v_slots, hidden, c.max_seq_len)
             elif cache is None:
                 attn = _sdpa(q, k, v, groups, is_causal=True)
             else:
@@ -436,17 +418,17 @@ def _sdpa(q, k, v, groups: int, **kwargs):
 
 
 class _AlignedAttention(torch.autograd.Function):
-    """Aligned attention's values (over the cached grids); the gradient of causal SDPA at (q, k, v).
+    """Aligned attention's values (over the cached slots); the gradient of causal SDPA at (q, k, v).
 
     Only full forwards from position 0 take gradients (``TinyLM.forward``), so causal SDPA over the
-    same q, k, v is the fast definition of what the grids hold.
+    same q, k, v is the fast definition of what the slots hold.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, k_grid, v_codes, v_scale, hidden, max_len: int, groups: int):
+    def forward(ctx, q, k, v, k_slots, v_slots, hidden, max_len: int, groups: int):
         ctx.save_for_backward(q, k, v)
         ctx.groups = groups
-        return exact_attention(q, k_grid, v_codes, v_scale, hidden, max_len)
+        return exact_attention(q, k_slots, v_slots, hidden, max_len)
 
     @staticmethod
     def backward(ctx, grad):
@@ -454,4 +436,4 @@ class _AlignedAttention(torch.autograd.Function):
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             grads = torch.autograd.grad(_sdpa(q, k, v, ctx.groups, is_causal=True), (q, k, v), grad)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None)

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from driftless.ops.fixed_mm import fixed_order_mm
+from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm
 from driftless.ops.fuse import fused
 
 MANTISSA = 53  # float64 significand bits: integers up to 2^53 are exact
@@ -215,15 +215,6 @@ def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @fused
-def kv_grids(k: torch.Tensor, v: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What aligned attention keeps per cached slot: K snapped per slot (over D), V as integer
-    codes per slot and the slot's scale 2^(f − b) (float64). Each depends on that slot alone."""
-    bk = split_bits(k.shape[-1])[1]
-    bv = split_bits(max_len)[1]
-    v_codes, v_exp = fixed_point(v, bv)
-    return snap(k, bk), v_codes, pow2(v_exp - bv)
-
-
 def hidden_slots(q_pos: torch.Tensor, span: int, groups: int) -> torch.Tensor:
     """``[B, 1, groups·Tq, span]`` True where slot j is not visible to the query (j > its position)."""
     b, tq = q_pos.shape
@@ -232,30 +223,29 @@ def hidden_slots(q_pos: torch.Tensor, span: int, groups: int) -> torch.Tensor:
 
 
 @fused
-def exact_attention(q: torch.Tensor, k_grid: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                    hidden: torch.Tensor, max_len: int) -> torch.Tensor:
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, max_len: int) -> torch.Tensor:
     """Causal attention over cached slots, grouped-query heads without copying K/V; fp32 ``[B, H, Tq, D]``.
 
-    q ``[B, H, Tq, D]`` (scaled, rotated); ``k_grid, v_codes [B, Hkv, S, D]`` and ``v_scale
-    [B, Hkv, S, 1]`` from ``kv_grids`` for at least every visible slot; ``hidden`` from
-    ``hidden_slots`` (slot j is visible iff j ≤ the query's position). ``max_len`` (the context)
-    fixes the code widths, so a query's result depends neither on how many slots are passed nor
-    on the other queries or rows.
+    q ``[B, H, Tq, D]`` (scaled, rotated); ``k, v [B, Hkv, S, D]`` (fp32, as the cache keeps them)
+    for at least every visible slot; ``hidden`` from ``hidden_slots`` (slot j is visible iff j ≤ the
+    query's position). ``max_len`` (the context) fixes the softmax's code width, so a query's result
+    depends neither on how many slots are passed nor on the other queries or rows.
 
-    Scores: q and K snapped per row (reduction over D), one exact GEMM. Softmax with ``exp64``
-    and an exact sum. P·V reduces over slots while V's codes are per slot, V[j] = c_j · s_j, so
-    s_j is folded into P first (an exact scaling) and P·s is snapped per query row.
+    Scores: one fixed-order GEMM (an fma chain over D per score). Softmax with ``exp32`` and an
+    exact sum. P·V: one fixed-order GEMM, an fma chain over the slots in order; a hidden or absent
+    slot has p = 0 exactly and leaves the chain's value as it was, so the number of slots passed
+    does not matter.
     """
     b, h, tq, d = q.shape
-    h_kv = k_grid.shape[1]
-    rows = q.reshape(b, h_kv, h // h_kv * tq, d)  # rows ordered (group, position)
-    scores = torch.matmul(snap(rows, split_bits(d)[0]), k_grid.transpose(-1, -2))  # exact, float64
+    h_kv, s = k.shape[1], k.shape[2]
+    rows = q.reshape(b * h_kv, h // h_kv * tq, d)  # rows ordered (group, position)
+    scores = fixed_order_bmm(rows, k.reshape(b * h_kv, s, d).transpose(-1, -2)).reshape(b, h_kv, -1, s)
     scores = scores.masked_fill(hidden, float("-inf"))
-    e = exp32((scores - scores.amax(-1, keepdim=True)).float()).double()  # max e = e^0 = 1 exactly
+    e = exp32(scores - scores.amax(-1, keepdim=True)).double()  # max e = e^0 = 1 exactly
     unit = float(2 ** (reduction_bits(max_len) - 1))
     total = torch.round(e * unit).sum(-1, keepdim=True) / unit  # integer codes: an exact sum
-    p = snap(e / total * v_scale.transpose(-1, -2), split_bits(max_len)[0])
-    return torch.matmul(p, v_codes).float().reshape(b, h, tq, d)
+    p = (e / total).float()
+    return fixed_order_bmm(p.reshape(b * h_kv, -1, s), v.reshape(b * h_kv, s, d)).reshape(b, h, tq, d)
 
 
 # ---------------------------------------------------------------- gradients of the pieces

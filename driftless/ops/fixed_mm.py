@@ -81,14 +81,15 @@ static void tile(const float *a, const float *b, float *c, int64_t K, int64_t N,
         for (int64_t j = 0; j < nr; ++j) c[(m0 + i) * N + n0 + j] = acc[i][j];
 }
 
-void driftless_fixed_order_mm(const float *a, const float *b, float *c, int64_t M, int64_t K, int64_t N,
-                              int threads) {
-    const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR, tiles = mt * nt;
+void driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
+                               int64_t N, int threads) {
+    const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR, per = mt * nt, tiles = batch * per;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t ni = t / mt, mi = t % mt;
+        const int64_t g = t / per, r = t % per, ni = r / mt, mi = r % mt;
         const int64_t m0 = mi * MR, n0 = ni * NR;
-        tile(a, b, c, K, N, m0, M - m0 < MR ? M - m0 : MR, n0, N - n0 < NR ? N - n0 : NR);
+        tile(a + g * M * K, b + g * K * N, c + g * M * N, K, N, m0, M - m0 < MR ? M - m0 : MR, n0,
+             N - n0 < NR ? N - n0 : NR);
     }
 }
 """
@@ -132,8 +133,8 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{compiler} failed: {(done.stderr.strip().splitlines() or [''])[0][:200]}")
             os.replace(out, path)  # atomic: a concurrent build of the same source writes the same file
     lib = ctypes.CDLL(path)
-    fn = lib.driftless_fixed_order_mm
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = lib.driftless_fixed_order_bmm
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     fn.restype = None
     return lib
 
@@ -190,27 +191,35 @@ def fixed_order_mm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m, k = a.shape
-    n = b.shape[1]
+    g, m, k = a.shape
+    n = b.shape[2]
     lib = _native() if _choice() == "native" else None
     if lib is None:
-        return fixed_order_mm_reference(a, b)
+        return torch.stack([fixed_order_mm_reference(a[i], b[i]) for i in range(g)]) if g else a.new_empty(0, m, n)
     a, b = a.contiguous(), b.contiguous()
-    c = torch.empty(m, n, dtype=torch.float32)
-    if m and n:
-        threads = torch.get_num_threads() if m * n * k >= _PARALLEL_MIN_FMAS else 1
-        lib.driftless_fixed_order_mm(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, k, n, threads)
+    c = torch.empty(g, m, n, dtype=torch.float32)
+    if g and m and n:
+        threads = torch.get_num_threads() if g * m * n * k >= _PARALLEL_MIN_FMAS else 1
+        lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, threads)
     return c
 
 
-@torch.library.custom_op("driftless::fixed_order_mm", mutates_args=())
-def _fixed_order_mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("driftless::fixed_order_bmm", mutates_args=())
+def _fixed_order_bmm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _run(a, b)
 
 
-@_fixed_order_mm_op.register_fake
+@_fixed_order_bmm_op.register_fake
 def _(a, b):
-    return a.new_empty(a.shape[0], b.shape[1])
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, dims: int, name: str, shapes: str) -> None:
+    if a.dim() != dims or b.dim() != dims or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"{name} takes {shapes}, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu" or b.device.type != "cpu":
+        raise ValueError(f"{name} takes float32 CPU tensors, got {a.dtype} on {a.device} and "
+                         f"{b.dtype} on {b.device}")
 
 
 def fixed_order_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -218,9 +227,11 @@ def fixed_order_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     No gradient (aligned pieces supply their own backward). Inside ``torch.compile`` it is one opaque op.
     """
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"fixed_order_mm takes a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu" or b.device.type != "cpu":
-        raise ValueError(f"fixed_order_mm takes float32 CPU tensors, got {a.dtype} on {a.device} and "
-                         f"{b.dtype} on {b.device}")
-    return _fixed_order_mm_op(a.detach(), b.detach())
+    _check(a, b, 2, "fixed_order_mm", "a [M, K] and b [K, N]")
+    return _fixed_order_bmm_op(a.detach()[None], b.detach()[None])[0]
+
+
+def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [G, M, K] @ b [G, K, N]``: ``fixed_order_mm`` for each of the G pairs (one call, threads across all)."""
+    _check(a, b, 3, "fixed_order_bmm", "a [G, M, K] and b [G, K, N]")
+    return _fixed_order_bmm_op(a.detach(), b.detach())
