@@ -9,26 +9,26 @@ only four kinds of operation, each exact or correctly rounded by IEEE 754 on eve
 1. **Elementwise + − × ÷ √, comparisons, max, round, casts** (each result correctly rounded,
    one kernel per operation, so nothing can be fused into an FMA), and powers of two built from
    their bits (``pow2``).
-2. **Fixed-order float32 GEMMs** for the linear layers (``exact_linear``): every output is one
-   chain of fused multiply-adds in ``k`` order (``ops.fixed_mm``), vectorised only across
-   independent outputs and threaded only across whole outputs, so no machine can reorder a sum.
-3. **Integer arithmetic in float64.** An operand is written as fixed-point codes along its
-   reduction dimension, ``x ≈ c · 2^(e − b)`` with integers ``|c| ≤ 2^b`` and ``e`` the exponent
-   of the row's largest magnitude (``fixed_point``). A product of codes is an integer below
-   ``2^(b_x + b_y)`` and a sum of ``K`` of them stays below ``2^53`` when
-   ``b_x + b_y + ⌈log2 K⌉ ≤ 53``: every partial sum is then an exactly representable integer,
-   so **any** summation order (any blocking, threading, SIMD width or BLAS) gives the same
-   result. Attention's GEMMs and the sums (``exact_sum``: RMSNorm, softmax) are float64 GEMMs /
-   sums of such codes, scaled back by powers of two (exact) and rounded once.
+2. **Fixed-order float32 GEMMs** for the linear layers and attention (``exact_linear``,
+   ``exact_attention``): every output is one chain of fused multiply-adds in ``k`` order
+   (``ops.fixed_mm``), vectorised only across independent outputs and threaded only across whole
+   outputs, so no machine can reorder a sum.
+3. **Integer arithmetic in float64** for the sums (``exact_sum``: RMSNorm, softmax). An operand
+   is written as fixed-point codes along its reduction dimension, ``x ≈ c · 2^(e − b)`` with
+   integers ``|c| ≤ 2^b`` and ``e`` the exponent of the row's largest magnitude
+   (``fixed_point``). A sum of ``K`` codes (or of products of two operands' codes) stays below
+   ``2^53`` when ``b + ⌈log2 K⌉ ≤ 53`` (``b_x + b_y + ⌈log2 K⌉ ≤ 53``): every partial sum is then
+   an exactly representable integer, so **any** summation order (any blocking, threading, SIMD
+   width or BLAS) gives the same result.
 4. **exp and log from (1)**: ``exp64`` / ``log64`` evaluate fixed polynomials in float64 with
    separate multiply and add kernels, so they give the same bits on any CPU (unlike
    ``torch.exp``, whose AVX2 and AVX-512 kernels may differ in the last place).
 
-Precision: the linear layers are float32 GEMMs with sequential accumulation (an ordinary fp32
-GEMM's error); the exact codes carry ``b ≈ 21–23`` bits per operand relative to the row maximum
-and sum without error. (3) is the Ozaki-style exact-accumulation idea (Ozaki et al., 2012) with
-one slice; the linear layers used it too until the fixed-order GEMM, which is twice as fast as a
-float64 GEMM on CPUs where float64 runs at half the float32 rate.
+Precision: the GEMMs are float32 GEMMs with sequential accumulation (an ordinary fp32 GEMM's
+error); the exact codes carry ``b ≈ 21–23`` bits per value relative to the row maximum and sum
+without error. (3) is the Ozaki-style exact-accumulation idea (Ozaki et al., 2012) with one
+slice; the GEMMs used it too (float64 GEMMs of codes) until the fixed-order GEMM, which is twice
+as fast on CPUs where float64 runs at half the float32 rate.
 
 The model-level pieces (``@fused``) run compiled by inductor when fusion is on (``ops.fuse``:
 why the compiled code gives these functions' bits on any CPU); their definitions are the eager code here.
@@ -71,11 +71,6 @@ def reduction_bits(k: int) -> int:
     while (1 << log2_k) < k:  # the graph (which keeps inductor's AOT cache from storing it)
         log2_k += 1
     return MANTISSA - log2_k
-
-
-def split_bits(k: int) -> tuple[int, int]:
-    total = reduction_bits(k)
-    return total // 2, total - total // 2
 
 
 def fixed_point(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ execution, on any CPU, because of what is and is not in the generated code:
 - vector width (scalar, AVX2, AVX-512: inductor follows ``ATEN_CPU_CAPABILITY``) cannot change
   a correctly rounded elementwise result, and the only reductions are ``amax`` (exact) and sums
   of integer codes below 2^53 (exact in any order), so neither can blocking or threading;
-- the GEMMs stay outside the generated code: the linear layers' fixed-order GEMM (``ops.fixed_mm``)
-  is one opaque custom op in the graph, attention's are ATen's float64 GEMMs on exact codes;
+- the GEMMs stay outside the generated code: the fixed-order GEMM (``ops.fixed_mm``) is one opaque
+  custom op in the graph, the same C kernel as eager;
 - the compiler's ``-fno-signed-zeros`` may change the sign of a zero, never a nonzero value: no
   aligned piece divides by, or takes the logarithm of, a quantity that can be zero.
 
