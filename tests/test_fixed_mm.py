@@ -93,3 +93,16 @@ def test_without_a_compiler_it_warns_once_and_gives_the_same_bits(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["1", "True"]
     assert torch.equal(torch.load(tmp_path / "c.pt"), fixed_order_mm(a, b))
+
+
+def test_the_reference_can_be_chosen_and_a_bad_choice_is_refused_by_name(monkeypatch):
+    a, b = _operands(3, 6, 40, 21, 3.0)
+    native = fixed_order_mm(a, b)
+    calls = []
+    monkeypatch.setattr(fixed_mm, "fixed_order_mm_reference", lambda x, y: calls.append(1) or fixed_order_mm_reference(x, y))
+    monkeypatch.setenv(fixed_mm.ENV, "reference")
+    assert torch.equal(fixed_order_mm(a, b), native)
+    assert calls == [1]  # the reference ran
+    monkeypatch.setenv(fixed_mm.ENV, "fast")
+    with pytest.raises(ValueError, match="DRIFTLESS_FIXED_MM must be 'native' or 'reference', got 'fast'"):
+        fixed_order_mm(a, b)
