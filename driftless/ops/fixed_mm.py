@@ -51,6 +51,7 @@ _SOURCE = r"""
 
 #define MR 4
 #define NR 16
+#define MB 64
 
 /* One tile of outputs: rows m0 .. m0+mr-1, columns n0 .. n0+nr-1; each output one fma chain over k. */
 static void tile(const float *a, const float *b, float *c, int64_t K, int64_t N,
@@ -83,10 +84,15 @@ static void tile(const float *a, const float *b, float *c, int64_t K, int64_t N,
 
 void driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
                                int64_t N, int threads) {
+    /* tiles in blocks of MB rows: a block's rows of a stay in cache while every column panel passes */
     const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR, per = mt * nt, tiles = batch * per;
+    const int64_t mb = MB / MR;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t g = t / per, r = t % per, ni = r / mt, mi = r % mt;
+        const int64_t g = t / per, r = t % per;
+        const int64_t blk = r / (mb * nt), rb = r % (mb * nt);
+        const int64_t in_blk = mt - blk * mb < mb ? mt - blk * mb : mb;
+        const int64_t ni = rb / in_blk, mi = blk * mb + rb % in_blk;
         const int64_t m0 = mi * MR, n0 = ni * NR;
         tile(a + g * M * K, b + g * K * N, c + g * M * N, K, N, m0, M - m0 < MR ? M - m0 : MR, n0,
              N - n0 < NR ? N - n0 : NR);
@@ -191,13 +197,18 @@ def fixed_order_mm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    g, m, k = a.shape
-    n = b.shape[2]
+    """``a [G, M, K] @ b [G, K, N]`` (or 2-D without G) by the kernel, else by the reference."""
     lib = _native() if _choice() == "native" else None
     if lib is None:
-        return torch.stack([fixed_order_mm_reference(a[i], b[i]) for i in range(g)]) if g else a.new_empty(0, m, n)
+        if a.dim() == 2:
+            return fixed_order_mm_reference(a, b)
+        return torch.stack([fixed_order_mm_reference(x, y) for x, y in zip(a, b)]) if len(a) else \
+            a.new_empty(0, a.shape[1], b.shape[2])
+    g = a.shape[0] if a.dim() == 3 else 1
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
     a, b = a.contiguous(), b.contiguous()
-    c = torch.empty(g, m, n, dtype=torch.float32)
+    c = torch.empty(*a.shape[:-1], n, dtype=torch.float32)
     if g and m and n:
         threads = torch.get_num_threads() if g * m * n * k >= _PARALLEL_MIN_FMAS else 1
         lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, threads)
@@ -228,10 +239,14 @@ def fixed_order_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     No gradient (aligned pieces supply their own backward). Inside ``torch.compile`` it is one opaque op.
     """
     _check(a, b, 2, "fixed_order_mm", "a [M, K] and b [K, N]")
-    return _fixed_order_bmm_op(a.detach()[None], b.detach()[None])[0]
+    if torch.compiler.is_compiling():  # one opaque op in the graph
+        return _fixed_order_bmm_op(a[None], b[None])[0]
+    return _run(a.detach(), b.detach())  # eager: the kernel directly (the op's dispatch costs more than a small GEMM)
 
 
 def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [G, M, K] @ b [G, K, N]``: ``fixed_order_mm`` for each of the G pairs (one call, threads across all)."""
     _check(a, b, 3, "fixed_order_bmm", "a [G, M, K] and b [G, K, N]")
-    return _fixed_order_bmm_op(a.detach(), b.detach())
+    if torch.compiler.is_compiling():
+        return _fixed_order_bmm_op(a, b)
+    return _run(a.detach(), b.detach())
