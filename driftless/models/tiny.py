@@ -8,9 +8,10 @@ One forward function serves a full sequence and incremental decode with a KV cac
 Two execution modes (``model.execution``):
 
 - ``fast``: F.linear, F.rms_norm and SDPA: the quickest plain-PyTorch path.
-- ``aligned``: trainer–inference invariance by construction (``driftless.ops.exact``). GEMMs,
-  RMSNorm's sum of squares and softmax's sum are float64 sums of integer codes (exact, so their
-  order cannot matter), exp is a fixed polynomial, every other op is a correctly rounded
+- ``aligned``: trainer–inference invariance by construction (``driftless.ops.exact``). GEMMs sum
+  each output in one fixed order (a chain of fused multiply-adds, ``ops.fixed_mm``); RMSNorm's sum
+  of squares and softmax's sum are float64 sums of integer codes (exact, so their order cannot
+  matter); exp is a fixed polynomial, every other op is a correctly rounded
   elementwise one, and attention writes K/V into the cache first and reads them from it. Same
   weights + same history => bitwise-equal logits for any batch size, composition, padding,
   prefill/decode split, thread count, BLAS and CPU generation. The aligned forward defines the
