@@ -128,10 +128,14 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
     flags = _flags()
     tag = hashlib.sha256("\0".join([_SOURCE, compiler, *flags]).encode()).hexdigest()[:16]
-    os.makedirs(_cache_dir(), exist_ok=True)
-    path = os.path.join(_cache_dir(), f"fixed_mm-{tag}.so")
+    folder = _cache_dir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:  # no writable home: a folder of this process's own
+        folder = tempfile.mkdtemp(prefix="driftless-fixed-mm-")
+    path = os.path.join(folder, f"fixed_mm-{tag}.so")
     if not os.path.exists(path):
-        with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
             src = os.path.join(tmp, "fixed_mm.c")
             with open(src, "w") as f:
                 f.write(_SOURCE)
