@@ -120,7 +120,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # inputs run the pieces one by one: there inductor, given a whole layer, fuses worse than piece by piece
 # (bench/rollout.py). The self-test compares the two paths bit for bit (decode against full forward).
 @fused
-def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n_kv_head: int, max_len: int):
+def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n_kv_head: int):
     """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, k rotated, v, and the
     traced intermediates: the normed input and q|k|v)."""
     b, t, d = x.shape
@@ -327,7 +327,7 @@ class TinyLM(nn.Module):
         if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
             for i, layer in enumerate(self.layers):
                 q, k, v, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._weight_t(layer.wq, layer.wk, layer.wv),
-                                                         cos, sin, c.norm_eps, c.n_head, c.n_kv_head, c.max_seq_len)
+                                                         cos, sin, c.norm_eps, c.n_head, c.n_kv_head)
                 cache.write(i, k, v, positions)  # written first, then read back (as below)
                 x, attn, out, h2, gate_up, act, down = aligned_attention_out_mlp(
                     x, q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], hidden, self._weight_t(layer.wo), layer.mlp_norm.detach(),

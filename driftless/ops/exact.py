@@ -209,7 +209,6 @@ def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return g / (1.0 + exp32(-g, underflow_to_zero=False)) * up
 
 
-@fused
 def hidden_slots(q_pos: torch.Tensor, span: int, groups: int) -> torch.Tensor:
     """``[B, 1, groups·Tq, span]`` True where slot j is not visible to the query (j > its position)."""
     b, tq = q_pos.shape
