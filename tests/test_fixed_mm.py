@@ -106,3 +106,42 @@ def test_the_reference_can_be_chosen_and_a_bad_choice_is_refused_by_name(monkeyp
     monkeypatch.setenv(fixed_mm.ENV, "fast")
     with pytest.raises(ValueError, match="DRIFTLESS_FIXED_MM must be 'native' or 'reference', got 'fast'"):
         fixed_order_mm(a, b)
+
+
+def test_operands_are_read_in_place_or_padded_and_neighbouring_values_never_leak():
+    # the kernel reads each row of b up to the next multiple of 16 columns: a view into a wider tensor
+    # is read in place, its neighbouring columns (here inf and nan) computed and dropped
+    a, wide = _operands(11, 13, 37, 40, 3.0)
+    wide[:, 21:] = float("nan")
+    wide[:, 30:] = float("inf")
+    from driftless.ops.fixed_mm import fixed_order_bmm, gemm_operand
+
+    view = wide[:, :21]
+    assert gemm_operand(view).data_ptr() == view.data_ptr()  # in place
+    expect = fixed_order_mm_reference(a, view.contiguous())
+    assert torch.equal(fixed_order_mm(a, view), expect)
+    assert torch.equal(fixed_order_mm(a.t().contiguous().t(), view), expect)  # a column-major a
+    # transposed and batched views (attention's K^T and a cache's slots): copied into padded rows
+    k = torch.randn(3, 50, 16)
+    q = torch.randn(3, 7, 16)
+    got = fixed_order_bmm(q, k[:, :29].transpose(1, 2))
+    for i in range(3):
+        assert torch.equal(got[i], fixed_order_mm_reference(q[i], k[i, :29].t().contiguous()))
+    cache = torch.randn(2, 1, 64, 16)  # [B, Hkv, max_len, D]: the first 29 slots of each row
+    v = cache[:, :, :29].reshape(2, 29, 16)
+    p = torch.randn(2, 5, 29)
+    got = fixed_order_bmm(p, v)
+    for i in range(2):
+        assert torch.equal(got[i], fixed_order_mm_reference(p[i], v[i].contiguous()))
+
+
+def test_linear_weights_are_kept_in_padded_rows_of_an_odd_number_of_cache_lines():
+    from driftless.ops.exact import linear_weight
+
+    for n in (1, 16, 64, 320, 1024, 1000):
+        w = torch.randn(n, 24)
+        wt = linear_weight(w)
+        assert torch.equal(wt, w.t()) and wt.stride(1) == 1
+        assert wt.stride(0) % 16 == 0 and (wt.stride(0) // 16) % 2 == 1 and wt.stride(0) >= n
+        x = torch.randn(5, 24)
+        assert torch.equal(fixed_order_mm(x, wt), fixed_order_mm_reference(x, w.t().contiguous()))

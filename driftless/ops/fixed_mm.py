@@ -55,37 +55,30 @@ _SOURCE = r"""
 #define NR 16
 #define MB 64
 
-/* One tile of outputs: rows m0 .. m0+mr-1, columns n0 .. n0+nr-1; each output one fma chain over k. */
-static void tile(const float *a, const float *b, float *c, int64_t K, int64_t N,
-                 int64_t m0, int64_t mr, int64_t n0, int64_t nr) {
+/* One tile: rows 0 .. mr-1 of a (row stride lda) against columns 0 .. NR-1 of b (row stride ldb),
+   each output one fma chain over k; the first nr columns are stored. b's rows must be readable up
+   to column NR (the caller pads): the columns past nr are computed and dropped, so every tile runs
+   the same vector code. mr is a constant in each inlined copy (the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void tile(const float *a, int64_t lda, const float *b, int64_t ldb,
+                                                       float *c, int64_t ldc, int64_t K, const int mr, int64_t nr) {
     float acc[MR][NR];
     for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = 0.0f;
-    if (mr == MR && nr == NR) {
-        for (int64_t k = 0; k < K; ++k) {
-            const float *bk = b + k * N + n0;
-            _Pragma("GCC unroll 4")  /* the tile's accumulators stay in registers */
-            for (int i = 0; i < MR; ++i) {
-                const float ai = a[(m0 + i) * K + k];
-                _Pragma("GCC unroll 16")
-                for (int j = 0; j < NR; ++j) acc[i][j] = __builtin_fmaf(ai, bk[j], acc[i][j]);
-            }
-        }
-    } else {
-        for (int64_t k = 0; k < K; ++k) {
-            const float *bk = b + k * N + n0;
-            for (int64_t i = 0; i < mr; ++i) {
-                const float ai = a[(m0 + i) * K + k];
-                for (int64_t j = 0; j < nr; ++j) acc[i][j] = __builtin_fmaf(ai, bk[j], acc[i][j]);
-            }
+    for (int64_t k = 0; k < K; ++k) {
+        const float *bk = b + k * ldb;
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mr; ++i) {
+            const float ai = a[i * lda + k];
+            _Pragma("GCC unroll 16")
+            for (int j = 0; j < NR; ++j) acc[i][j] = __builtin_fmaf(ai, bk[j], acc[i][j]);
         }
     }
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < nr; ++j) c[(m0 + i) * N + n0 + j] = acc[i][j];
+    for (int i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = acc[i][j];
 }
 
 void driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
-                               int64_t N, int threads) {
+                               int64_t N, int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb, int threads) {
     /* tiles in blocks of MB rows: a block's rows of a stay in cache while every column panel passes */
     const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR, per = mt * nt, tiles = batch * per;
     const int64_t mb = MB / MR;
@@ -96,8 +89,15 @@ void driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t
         const int64_t in_blk = mt - blk * mb < mb ? mt - blk * mb : mb;
         const int64_t ni = rb / in_blk, mi = blk * mb + rb % in_blk;
         const int64_t m0 = mi * MR, n0 = ni * NR;
-        tile(a + g * M * K, b + g * K * N, c + g * M * N, K, N, m0, M - m0 < MR ? M - m0 : MR, n0,
-             N - n0 < NR ? N - n0 : NR);
+        const float *at = a + g * a_batch + m0 * lda, *bt = b + g * b_batch + n0;
+        float *ct = c + g * M * N + m0 * N + n0;
+        const int64_t nr = N - n0 < NR ? N - n0 : NR;
+        switch (M - m0 < MR ? M - m0 : MR) {
+            case 4: tile(at, lda, bt, ldb, ct, N, K, 4, nr); break;
+            case 3: tile(at, lda, bt, ldb, ct, N, K, 3, nr); break;
+            case 2: tile(at, lda, bt, ldb, ct, N, K, 2, nr); break;
+            default: tile(at, lda, bt, ldb, ct, N, K, 1, nr); break;
+        }
     }
 }
 """
@@ -146,7 +146,7 @@ def _build() -> ctypes.CDLL:
             os.replace(out, path)  # atomic: a concurrent build of the same source writes the same file
     lib = ctypes.CDLL(path)
     fn = lib.driftless_fixed_order_bmm
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + [ctypes.c_int]
     fn.restype = None
     return lib
 
@@ -202,6 +202,36 @@ def fixed_order_mm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+_NR = 16  # the kernel's tile width: it reads every row of b up to a multiple of this many columns
+
+
+def _row_stride(n: int) -> int:
+    """A row stride for ``n`` columns: a multiple of the tile width and an odd number of 64-byte lines.
+
+    An even number (a power of two above all: 512 or 1024 floats) maps a tile's rows of b onto few
+    cache sets, which evict each other (1.6× slower at N = 1024 on an EPYC, measured once).
+    """
+    stride = -(-n // _NR) * _NR
+    return stride if (stride // _NR) % 2 else stride + _NR
+
+
+def gemm_operand(b: torch.Tensor) -> torch.Tensor:
+    """``b [.., K, N]`` as the kernel reads it: the same values in zero-padded rows (a copy, unless already so).
+
+    The kernel needs a unit column stride and every row readable up to the next multiple of 16
+    columns; ``linear_weight`` keeps weights this way, so a linear layer's GEMM copies nothing.
+    """
+    n = b.shape[-1]
+    need = -(-n // _NR) * _NR
+    if b.dim() >= 2 and b.dtype == torch.float32 and (b.stride(-1) == 1 or n == 1) and b.stride(-2) >= need:
+        last = b.storage_offset() + sum((size - 1) * stride for size, stride in zip(b.shape[:-1], b.stride()[:-1]))
+        if b.numel() == 0 or last + need <= b.untyped_storage().nbytes() // 4:
+            return b
+    buf = b.new_zeros(*b.shape[:-1], _row_stride(n), dtype=torch.float32)
+    buf[..., :n] = b
+    return buf[..., :n]
+
+
 def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [G, M, K] @ b [G, K, N]`` (or 2-D without G) by the kernel, else by the reference."""
     lib = _native() if _choice() == "native" else None
@@ -213,11 +243,16 @@ def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     g = a.shape[0] if a.dim() == 3 else 1
     m, k = a.shape[-2:]
     n = b.shape[-1]
-    a, b = a.contiguous(), b.contiguous()
     c = torch.empty(*a.shape[:-1], n, dtype=torch.float32)
     if g and m and n:
+        if a.stride(-1) != 1 and k > 1:
+            a = a.contiguous()
+        b = gemm_operand(b)
+        a_batch = a.stride(0) if a.dim() == 3 else 0
+        b_batch = b.stride(0) if b.dim() == 3 else 0
         threads = torch.get_num_threads() if g * m * n * k >= _PARALLEL_MIN_FMAS else 1
-        lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, threads)
+        lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, a_batch, a.stride(-2),
+                                      b_batch, b.stride(-2), threads)
     return c
 
 
