@@ -108,8 +108,10 @@ def rope_tables(config: TinyLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x ``[B, H, T, D]``; tables ``[B, 1, T, D]``. With halves (x1, x2) this is
-    (x1 cos − x2 sin, x2 cos + x1 sin), elementwise only: ``roll`` swaps the halves."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    (x1 cos − x2 sin, x2 cos + x1 sin), elementwise only, on x with its halves swapped (a ``cat``:
+    ``roll`` computes the same, but compiled with a symbolic D it costs two 64-bit divisions an element)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], -1) * sin
 
 
 # ------------------------------------------------------------------------------------------------

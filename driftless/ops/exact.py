@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm, gemm_operand
+from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm, gemm_layout
 from driftless.ops.fuse import fused
 
 MANTISSA = 53  # float64 significand bits: integers up to 2^53 are exact
@@ -110,7 +110,7 @@ def exact_sum(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 # ---------------------------------------------------------------- GEMMs
 def linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A ``[N, K]`` weight laid out for ``exact_linear``: ``[K, N]`` float32 in the GEMM's padded rows (cache it per version)."""
-    return gemm_operand(weight.detach().float().t())
+    return gemm_layout(weight.detach().float().t())
 
 
 @fused

@@ -11,16 +11,22 @@ rounded by definition, so the chain has exactly one result; what a machine may v
   advance together: the reduction over ``k`` is never split, reordered or vectorised;
 - threads own whole tiles of outputs, never a part of a sum, so the thread count cannot matter;
 - a row's result depends on that row of ``a`` and on ``b`` alone, never on other rows or on the
-  batch's shape (the tile edges run the same chain through a scalar loop);
+  batch's shape: a tile with fewer than 4 rows runs the same code for the rows it has, and a tile
+  past the last column computes its missing columns from whatever lies there (zeros, or the
+  neighbouring memory of a view) in SIMD lanes of their own, then drops them;
+- ``b`` is read in place when its rows are row-major and readable to the next multiple of 16
+  columns, and otherwise copied panel by panel into a zero-padded buffer first (a transposed
+  ``b``): a copy changes no value, so the two ways give the same bits;
 - the C code is compiled with ``-ffp-contract=off`` and without fast-math, so the compiler adds no
   contraction or reassociation of its own; the only fma is the one written, which is an fma on
   every target (FMA3 instructions where the CPU has them, the C library's correctly rounded
   ``fmaf`` otherwise).
 
 This is what batch-invariant GPU kernels do (a reduction order fixed per output, independent of
-the batch); on a CPU it also makes the result independent of the kernel set. On a 2-core AVX2 EPYC
-it runs at about two thirds of MKL's float32 GEMM and about twice a float64 GEMM, which it replaces
-(``bench/rollout.py``, ``gemm_gflops_1024x512x512``).
+the batch); on a CPU it also makes the result independent of the kernel set. Its speed is MKL's
+float32 GEMM's at the shapes of the built-in model, with weights kept in rows padded to an odd
+number of cache lines (``gemm_layout``), and about twice a float64 GEMM's, which it replaces
+(``bench/rollout.py``, ``gemm_gflops_1024x512x512``; docs/alignment.md, "Cost").
 
 The kernel is a small C file compiled on first use with the system's C compiler into a per-user
 cache and called through ``ctypes``; its threads are OpenMP's (``libgomp.so.1``, the runtime torch's
@@ -50,6 +56,7 @@ ENV = "DRIFTLESS_FIXED_MM"  # "native" (default: the compiled kernel, else the r
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MR 4
 #define NR 16
@@ -77,28 +84,69 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
         for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = acc[i][j];
 }
 
-void driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
-                               int64_t N, int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb, int threads) {
-    /* tiles in blocks of MB rows: a block's rows of a stay in cache while every column panel passes */
-    const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR, per = mt * nt, tiles = batch * per;
-    const int64_t mb = MB / MR;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t g = t / per, r = t % per;
-        const int64_t blk = r / (mb * nt), rb = r % (mb * nt);
-        const int64_t in_blk = mt - blk * mb < mb ? mt - blk * mb : mb;
-        const int64_t ni = rb / in_blk, mi = blk * mb + rb % in_blk;
-        const int64_t m0 = mi * MR, n0 = ni * NR;
-        const float *at = a + g * a_batch + m0 * lda, *bt = b + g * b_batch + n0;
-        float *ct = c + g * M * N + m0 * N + n0;
-        const int64_t nr = N - n0 < NR ? N - n0 : NR;
-        switch (M - m0 < MR ? M - m0 : MR) {
-            case 4: tile(at, lda, bt, ldb, ct, N, K, 4, nr); break;
-            case 3: tile(at, lda, bt, ldb, ct, N, K, 3, nr); break;
-            case 2: tile(at, lda, bt, ldb, ct, N, K, 2, nr); break;
-            default: tile(at, lda, bt, ldb, ct, N, K, 1, nr); break;
+/* c[g] = a[g] @ b[g] for g < batch; a's rows have unit stride, b is read through its strides
+   (b_col between columns), b_readable floats from b's start exist. Returns 0, or 1 if a panel
+   buffer could not be allocated (c is then incomplete). */
+int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
+                              int64_t N, int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb,
+                              int64_t b_col, int64_t b_readable, int threads) {
+    const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR;
+    const int64_t last_row = (batch - 1) * b_batch + (K - 1) * ldb;
+    if (b_col == 1 && last_row + nt * NR <= b_readable) {
+        /* b read in place. Tiles in blocks of MB rows: a block's rows of a stay in cache while every
+           column panel passes */
+        const int64_t per = mt * nt, tiles = batch * per, mb = MB / MR;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t g = t / per, r = t % per;
+            const int64_t blk = r / (mb * nt), rb = r % (mb * nt);
+            const int64_t in_blk = mt - blk * mb < mb ? mt - blk * mb : mb;
+            const int64_t ni = rb / in_blk, mi = blk * mb + rb % in_blk;
+            const int64_t m0 = mi * MR, n0 = ni * NR;
+            const float *at = a + g * a_batch + m0 * lda, *bt = b + g * b_batch + n0;
+            float *ct = c + g * M * N + m0 * N + n0;
+            const int64_t nr = N - n0 < NR ? N - n0 : NR;
+            switch (M - m0 < MR ? M - m0 : MR) {
+                case 4: tile(at, lda, bt, ldb, ct, N, K, 4, nr); break;
+                case 3: tile(at, lda, bt, ldb, ct, N, K, 3, nr); break;
+                case 2: tile(at, lda, bt, ldb, ct, N, K, 2, nr); break;
+                default: tile(at, lda, bt, ldb, ct, N, K, 1, nr); break;
+            }
         }
+        return 0;
     }
+    /* b strided (a transposed matrix) or not readable past its last column: each column panel is
+       first copied into a zero-padded K x NR buffer of the thread's, then every row tile runs on it */
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *panel = (float *)malloc((size_t)K * NR * sizeof(float));
+        if (panel == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < batch * nt; ++t) {
+            if (panel == NULL) continue;
+            const int64_t g = t / nt, n0 = (t % nt) * NR;
+            const int64_t nr = N - n0 < NR ? N - n0 : NR;
+            const float *bg = b + g * b_batch + n0 * b_col;
+            for (int64_t k = 0; k < K; ++k)
+                for (int64_t j = 0; j < NR; ++j) panel[k * NR + j] = j < nr ? bg[k * ldb + j * b_col] : 0.0f;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const float *at = a + g * a_batch + m0 * lda;
+                float *ct = c + g * M * N + m0 * N + n0;
+                switch (M - m0 < MR ? M - m0 : MR) {
+                    case 4: tile(at, lda, panel, NR, ct, N, K, 4, nr); break;
+                    case 3: tile(at, lda, panel, NR, ct, N, K, 3, nr); break;
+                    case 2: tile(at, lda, panel, NR, ct, N, K, 2, nr); break;
+                    default: tile(at, lda, panel, NR, ct, N, K, 1, nr); break;
+                }
+            }
+        }
+        free(panel);
+    }
+    return failed;
 }
 """
 
@@ -146,8 +194,8 @@ def _build() -> ctypes.CDLL:
             os.replace(out, path)  # atomic: a concurrent build of the same source writes the same file
     lib = ctypes.CDLL(path)
     fn = lib.driftless_fixed_order_bmm
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + [ctypes.c_int]
-    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
     return lib
 
 
@@ -215,18 +263,14 @@ def _row_stride(n: int) -> int:
     return stride if (stride // _NR) % 2 else stride + _NR
 
 
-def gemm_operand(b: torch.Tensor) -> torch.Tensor:
-    """``b [.., K, N]`` as the kernel reads it: the same values in zero-padded rows (a copy, unless already so).
+def gemm_layout(b: torch.Tensor) -> torch.Tensor:
+    """``b [K, N]`` copied into zero-padded rows, the layout the kernel reads fastest (``linear_weight`` keeps weights so).
 
-    The kernel needs a unit column stride and every row readable up to the next multiple of 16
-    columns; ``linear_weight`` keeps weights this way, so a linear layer's GEMM copies nothing.
+    The kernel reads any strides (a transposed or sliced ``b`` is copied panel by panel inside it),
+    but a row-major ``b`` whose rows are readable up to the next multiple of 16 columns is read in
+    place, and a row stride of an odd number of cache lines keeps a tile's rows in different cache sets.
     """
     n = b.shape[-1]
-    need = -(-n // _NR) * _NR
-    if b.dim() >= 2 and b.dtype == torch.float32 and (b.stride(-1) == 1 or n == 1) and b.stride(-2) >= need:
-        last = b.storage_offset() + sum((size - 1) * stride for size, stride in zip(b.shape[:-1], b.stride()[:-1]))
-        if b.numel() == 0 or last + need <= b.untyped_storage().nbytes() // 4:
-            return b
     buf = b.new_zeros(*b.shape[:-1], _row_stride(n), dtype=torch.float32)
     buf[..., :n] = b
     return buf[..., :n]
@@ -247,12 +291,13 @@ def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if g and m and n:
         if a.stride(-1) != 1 and k > 1:
             a = a.contiguous()
-        b = gemm_operand(b)
         a_batch = a.stride(0) if a.dim() == 3 else 0
         b_batch = b.stride(0) if b.dim() == 3 else 0
+        readable = b.untyped_storage().nbytes() // 4 - b.storage_offset()  # floats from b's first
         threads = torch.get_num_threads() if g * m * n * k >= _PARALLEL_MIN_FMAS else 1
-        lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, a_batch, a.stride(-2),
-                                      b_batch, b.stride(-2), threads)
+        if lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, a_batch, a.stride(-2),
+                                         b_batch, b.stride(-2), b.stride(-1), readable, threads):
+            raise MemoryError(f"fixed_order_bmm: no memory for a {k} x {_NR} panel of b")
     return c
 
 
