@@ -91,9 +91,15 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v ``[B, n_kv, T, D]`` written at ``positions [B, T]``."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
+        write_slots(self.k[layer], self.v[layer], k, v, positions)
+
+
+def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> None:
+    """One layer's cache ``[B, n_kv, S, D]`` takes k, v ``[B, n_kv, T, D]`` at ``positions [B, T]`` (in place)."""
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]
+    k_cache[rows, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[rows, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
 
 
 
@@ -115,13 +121,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ------------------------------------------------------------------------------------------------
-# An aligned decode step in 2 compiled graphs per layer + 1: each is the composition of the aligned
-# pieces (ops.exact) and elementwise fp32 glue (RoPE, residual adds), so ops.fuse's argument carries
-# over: every operation stays its own correctly rounded one. What changes is the number of dispatches
-# (9 graphs per layer and the glue's ops otherwise), which is what a one-token step pays for. Longer
-# inputs run the pieces one by one: there inductor, given a whole layer, fuses worse than piece by piece
-# (bench/rollout.py). The self-test compares the two paths bit for bit (decode against full forward).
-@fused
+# An aligned decode step in one compiled graph per layer + 1: each is the composition of the aligned
+# pieces (ops.exact), the K/V cache write and elementwise fp32 glue (RoPE, residual adds), so ops.fuse's
+# argument carries over: every operation stays its own correctly rounded one. What changes is the number
+# of dispatches (9 graphs per layer and the glue's ops otherwise), which is what a one-token step pays
+# for. Longer inputs run the pieces one by one: there inductor, given a whole layer, fuses worse than
+# piece by piece (bench/rollout.py). The self-test compares the two paths bit for bit (decode against
+# full forward).
 def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n_kv_head: int):
     """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, k rotated, v, and the
     traced intermediates: the normed input and q|k|v)."""
@@ -138,7 +144,6 @@ def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n
     return q.contiguous(), k, v, h, qkv
 
 
-@fused
 def aligned_attention_out_mlp(x, q, k, v, hidden, wo_wt, mlp_norm_w, gate_up_wt, down_wt,
                               eps: float, max_len: int):
     """The rest of one layer: attention over the cached slots, the output projection and residual,
@@ -153,6 +158,18 @@ def aligned_attention_out_mlp(x, q, k, v, hidden, wo_wt, mlp_norm_w, gate_up_wt,
     act = exact_silu_mul.eager(gate, up)
     down = exact_linear.eager(act, wt=down_wt)
     return x + down, attn, out, h, gate_up, act, down
+
+
+@fused
+def aligned_decode_layer(x, k_cache, v_cache, positions, hidden, span: int, norm_w, qkv_wt, cos, sin, wo_wt,
+                         mlp_norm_w, gate_up_wt, down_wt, eps: float, n_head: int, n_kv_head: int, max_len: int):
+    """One layer of a decode step in one graph: ``aligned_attention_in``, the K/V write into the
+    cache (in place, ``write_slots``), ``aligned_attention_out_mlp`` over the first ``span`` slots."""
+    q, k, v, h, qkv = aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps, n_head, n_kv_head)
+    write_slots(k_cache, v_cache, k, v, positions)
+    x, attn, out, h2, gate_up, act, down = aligned_attention_out_mlp(
+        x, q, k_cache[:, :, :span], v_cache[:, :, :span], hidden, wo_wt, mlp_norm_w, gate_up_wt, down_wt, eps, max_len)
+    return x, h, qkv, attn, out, h2, gate_up, act, down
 
 
 @fused
@@ -328,12 +345,11 @@ class TinyLM(nn.Module):
         grad = aligned and torch.is_grad_enabled()  # a training forward: each aligned piece an autograd node
         if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
             for i, layer in enumerate(self.layers):
-                q, k, v, h, qkv = aligned_attention_in(x, layer.attn_norm.detach(), self._weight_t(layer.wq, layer.wk, layer.wv),
-                                                         cos, sin, c.norm_eps, c.n_head, c.n_kv_head)
-                cache.write(i, k, v, positions)  # written first, then read back (as below)
-                x, attn, out, h2, gate_up, act, down = aligned_attention_out_mlp(
-                    x, q, cache.k[i][:, :, :span], cache.v[i][:, :, :span], hidden, self._weight_t(layer.wo), layer.mlp_norm.detach(),
-                    self._weight_t(layer.w_gate, layer.w_up), self._weight_t(layer.w_down), c.norm_eps, c.max_seq_len)
+                x, h, qkv, attn, out, h2, gate_up, act, down = aligned_decode_layer(
+                    x, cache.k[i], cache.v[i], positions, hidden, span, layer.attn_norm.detach(),
+                    self._weight_t(layer.wq, layer.wk, layer.wv), cos, sin, self._weight_t(layer.wo), layer.mlp_norm.detach(),
+                    self._weight_t(layer.w_gate, layer.w_up), self._weight_t(layer.w_down), c.norm_eps, c.n_head,
+                    c.n_kv_head, c.max_seq_len)  # K/V written first, then read back (as below)
                 if record:
                     for name, value in (("attn_norm", h), ("wq|wk|wv", qkv), ("attention", attn), ("wo", out),
                                         ("mlp_norm", h2), ("w_gate|w_up", gate_up), ("silu*up", act), ("w_down", down)):
