@@ -114,10 +114,12 @@ def rope_tables(config: TinyLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x ``[B, H, T, D]``; tables ``[B, 1, T, D]``. With halves (x1, x2) this is
-    (x1 cos − x2 sin, x2 cos + x1 sin), elementwise only, on x with its halves swapped (a ``cat``:
-    ``roll`` computes the same, but compiled with a symbolic D it costs two 64-bit divisions an element)."""
+    (x1 cos − x2 sin, x2 cos + x1 sin), elementwise only, on x with its halves swapped: ``roll``
+    eager, a ``cat`` of the two halves when compiled (the same values; a compiled ``roll`` with a
+    symbolic D costs two 64-bit divisions an element)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:], x[..., :half]], -1) * sin
+    swapped = torch.cat([x[..., half:], x[..., :half]], -1) if torch.compiler.is_compiling() else x.roll(half, dims=-1)
+    return x * cos + swapped * sin
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,7 +136,7 @@ def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n
     b, t, d = x.shape
     hd = d // n_head
     h = exact_rms_norm.eager(x, norm_w, eps)
-    qkv = exact_linear.eager(h, wt=qkv_wt)
+    qkv = exact_linear(h, wt=qkv_wt)
     q, k, v = qkv.split([n_head * hd, n_kv_head * hd, n_kv_head * hd], -1)
     q = q.reshape(b, t, n_head, hd).transpose(1, 2)
     k = k.reshape(b, t, n_kv_head, hd).transpose(1, 2)
@@ -150,13 +152,13 @@ def aligned_attention_out_mlp(x, q, k, v, hidden, wo_wt, mlp_norm_w, gate_up_wt,
     RMSNorm and the SwiGLU MLP and residual: (x out, and the traced intermediates)."""
     b, t, d = x.shape
     attn = exact_attention.eager(q, k, v, hidden, max_len).transpose(1, 2).reshape(b, t, d)
-    out = exact_linear.eager(attn, wt=wo_wt)
+    out = exact_linear(attn, wt=wo_wt)
     x = x + out
     h = exact_rms_norm.eager(x, mlp_norm_w, eps)
-    gate_up = exact_linear.eager(h, wt=gate_up_wt)
+    gate_up = exact_linear(h, wt=gate_up_wt)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, -1)
     act = exact_silu_mul.eager(gate, up)
-    down = exact_linear.eager(act, wt=down_wt)
+    down = exact_linear(act, wt=down_wt)
     return x + down, attn, out, h, gate_up, act, down
 
 
@@ -176,7 +178,7 @@ def aligned_decode_layer(x, k_cache, v_cache, positions, hidden, span: int, norm
 def aligned_head(x, norm_w, lm_wt, eps: float):
     """Final RMSNorm and the LM head: (logits, the normed input)."""
     h = exact_rms_norm.eager(x, norm_w, eps)
-    return exact_linear.eager(h, wt=lm_wt), h
+    return exact_linear(h, wt=lm_wt), h
 
 
 class TinyLM(nn.Module):

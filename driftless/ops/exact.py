@@ -113,11 +113,12 @@ def linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return gemm_layout(weight.detach().float().t())
 
 
-@fused
 def exact_linear(x: torch.Tensor, weight: torch.Tensor | None = None, *, wt: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T`` (no bias), fp32, the same bits on any machine for each row: ``fixed_order_mm``.
 
-    ``wt`` may pass a precomputed ``linear_weight(weight)`` (cached per weight version).
+    ``wt`` may pass a precomputed ``linear_weight(weight)`` (cached per weight version). Not a
+    compiled piece: eager, it calls the kernel directly (a graph of one op would only add dynamo's
+    call overhead); inside a compiled block, the GEMM is one opaque op.
     """
     if wt is None:
         wt = linear_weight(weight)
