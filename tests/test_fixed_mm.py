@@ -68,6 +68,11 @@ def test_it_is_an_fp32_gemm_in_accuracy():
     assert 0 < err < 1e-4 * exact.abs().max().item()
 
 
+def test_empty_reductions_give_zeros():
+    assert torch.equal(fixed_order_mm(torch.ones(3, 0), torch.ones(0, 5)), torch.zeros(3, 5))
+    assert fixed_order_mm(torch.ones(0, 4), torch.ones(4, 5)).shape == (0, 5)
+
+
 def test_bad_operands_are_refused_by_name():
     with pytest.raises(ValueError, match=r"a \[M, K\] and b \[K, N\]"):
         fixed_order_mm(torch.zeros(2, 3), torch.zeros(4, 5))

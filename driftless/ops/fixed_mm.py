@@ -288,7 +288,9 @@ def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, k = a.shape[-2:]
     n = b.shape[-1]
     c = torch.empty(*a.shape[:-1], n, dtype=torch.float32)
-    if g and m and n:
+    if g and m and n and not k:
+        c.zero_()  # a chain of no steps: its starting +0
+    elif g and m and n:
         if a.stride(-1) != 1 and k > 1:
             a = a.contiguous()
         a_batch = a.stride(0) if a.dim() == 3 else 0
