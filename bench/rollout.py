@@ -15,7 +15,8 @@ compiled-graph call each; ops inside a compiled graph are fused loops and do not
 FLOP-bound estimate is 2 · parameters per token against a measured float32 GEMM rate;
 ``gemm_gflops_1024x512x512`` compares that rate with aligned mode's fixed-order GEMM
 (``ops.fixed_mm``, b in the padded rows aligned weights are kept in) and a float64 GEMM (what
-aligned GEMMs were before it).
+aligned GEMMs were before it); ``linear_gemm_us`` times each linear layer's GEMM at forward and
+decode sizes both ways.
 
 The transformers model is a Qwen3 config with TinyLM's default sizes (hidden 192, 4 layers,
 3 heads of 64, 1 KV head, FFN 512, vocabulary 64), randomly initialised; both generate exactly
@@ -65,6 +66,35 @@ def gemm_gflops(mm=torch.mm, dtype=torch.float32, layout=None) -> float:
     for _ in range(n):
         mm(a, b)
     return 2 * 1024 * 512 * 512 * n / (time.perf_counter() - t0) / 1e9
+
+
+def linear_gemm_us(config, rows: dict[str, int]) -> dict:
+    """Median µs of each linear layer's GEMM of the model, fp32 BLAS (as fast mode's ``F.linear``) vs
+    the fixed-order GEMM on the weight as aligned mode keeps it: where a machine's aligned cost sits."""
+    from driftless.ops.exact import linear_weight
+    from driftless.ops.fixed_mm import fixed_order_mm
+
+    d, hd = config.d_model, config.head_dim
+    shapes = {"wq|wk|wv": ((config.n_head + 2 * config.n_kv_head) * hd, d), "wo": (d, config.n_head * hd),
+              "w_gate|w_up": (2 * config.d_ff, d), "w_down": (d, config.d_ff), "lm_head": (config.vocab_size, d)}
+    out = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k)
+        wt = linear_weight(w)
+        for kind, m in rows.items():
+            x = torch.randn(m, k)
+            per = {}
+            for label, fn, b in (("fp32_blas", torch.nn.functional.linear, w), ("fixed_order", fixed_order_mm, wt)):
+                for _ in range(3):
+                    fn(x, b)
+                times = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    fn(x, b)
+                    times.append(time.perf_counter() - t0)
+                per[label] = statistics.median(times) * 1e6
+            out[f"{name} {kind} {m}x{k}x{n}"] = per
+    return out
 
 
 def summary(times: list[float]) -> dict:
@@ -199,6 +229,8 @@ def main() -> None:
     # the GEMM rates behind the aligned/fast ratio: aligned mode's fixed-order GEMM against fp32 and fp64 BLAS
     out["gemm_gflops_1024x512x512"] = {"fp32_blas": gflops, "fixed_order": gemm_gflops(fixed_order_mm, layout=gemm_layout),
                                        "fp64_blas": gemm_gflops(dtype=torch.float64)}
+    out["linear_gemm_us"] = linear_gemm_us(config, rows={"forward": args.batch * (args.prompt_len + args.new_tokens),
+                                                         "decode": args.batch})
 
     if not args.no_transformers:
         try:
