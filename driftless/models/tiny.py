@@ -127,9 +127,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # pieces (ops.exact), the K/V cache write and elementwise fp32 glue (RoPE, residual adds), so ops.fuse's
 # argument carries over: every operation stays its own correctly rounded one. What changes is the number
 # of dispatches (9 graphs per layer and the glue's ops otherwise), which is what a one-token step pays
-# for. Longer inputs run the pieces one by one: there inductor, given a whole layer, fuses worse than
-# piece by piece (bench/rollout.py). The self-test compares the two paths bit for bit (decode against
-# full forward).
+# for. Longer inputs run the pieces one by one (a whole layer there measured no faster: docs/alignment.md,
+# "Fused kernels"). The self-test compares the two paths bit for bit (decode against full forward).
 def aligned_attention_in(x, norm_w, qkv_wt, cos, sin, eps: float, n_head: int, n_kv_head: int):
     """RMSNorm, the fused QKV GEMM and RoPE of one layer: (q scaled and rotated, k rotated, v, and the
     traced intermediates: the normed input and q|k|v)."""
