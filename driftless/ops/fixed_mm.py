@@ -23,7 +23,7 @@ rounded by definition, so the chain has exactly one result; what a machine may v
   ``fmaf`` otherwise).
 
 This is what batch-invariant GPU kernels do (a reduction order fixed per output, independent of
-the batch); on a CPU it also makes the result independent of the kernel set. Its speed is MKL's
+the batch); on a CPU it also makes the result independent of the kernel set. Its speed is about MKL's
 float32 GEMM's at the shapes of the built-in model, with weights kept in rows padded to an odd
 number of cache lines (``gemm_layout``), and about twice a float64 GEMM's, which it replaces
 (``bench/rollout.py``, ``gemm_gflops_1024x512x512``; docs/alignment.md, "Cost").
