@@ -84,6 +84,17 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
         for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = acc[i][j];
 }
 
+/* A tile of min(rows, MR) rows: each row count runs its own inlined copy of tile() (constant mr). */
+static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc,
+                             int64_t K, int64_t rows, int64_t nr) {
+    switch (rows < MR ? rows : MR) {
+        case 4: tile(a, lda, b, ldb, c, ldc, K, 4, nr); break;
+        case 3: tile(a, lda, b, ldb, c, ldc, K, 3, nr); break;
+        case 2: tile(a, lda, b, ldb, c, ldc, K, 2, nr); break;
+        default: tile(a, lda, b, ldb, c, ldc, K, 1, nr); break;
+    }
+}
+
 /* c[g] = a[g] @ b[g] for g < batch; a's rows have unit stride, b is read through its strides
    (b_col between columns), b_readable floats from b's start exist. Returns 0, or 1 if a panel
    buffer could not be allocated (c is then incomplete). */
@@ -105,13 +116,7 @@ int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t 
             const int64_t m0 = mi * MR, n0 = ni * NR;
             const float *at = a + g * a_batch + m0 * lda, *bt = b + g * b_batch + n0;
             float *ct = c + g * M * N + m0 * N + n0;
-            const int64_t nr = N - n0 < NR ? N - n0 : NR;
-            switch (M - m0 < MR ? M - m0 : MR) {
-                case 4: tile(at, lda, bt, ldb, ct, N, K, 4, nr); break;
-                case 3: tile(at, lda, bt, ldb, ct, N, K, 3, nr); break;
-                case 2: tile(at, lda, bt, ldb, ct, N, K, 2, nr); break;
-                default: tile(at, lda, bt, ldb, ct, N, K, 1, nr); break;
-            }
+            tile_rows(at, lda, bt, ldb, ct, N, K, M - m0, N - n0 < NR ? N - n0 : NR);
         }
         return 0;
     }
@@ -133,16 +138,8 @@ int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t 
             const float *bg = b + g * b_batch + n0 * b_col;
             for (int64_t k = 0; k < K; ++k)
                 for (int64_t j = 0; j < NR; ++j) panel[k * NR + j] = j < nr ? bg[k * ldb + j * b_col] : 0.0f;
-            for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                const float *at = a + g * a_batch + m0 * lda;
-                float *ct = c + g * M * N + m0 * N + n0;
-                switch (M - m0 < MR ? M - m0 : MR) {
-                    case 4: tile(at, lda, panel, NR, ct, N, K, 4, nr); break;
-                    case 3: tile(at, lda, panel, NR, ct, N, K, 3, nr); break;
-                    case 2: tile(at, lda, panel, NR, ct, N, K, 2, nr); break;
-                    default: tile(at, lda, panel, NR, ct, N, K, 1, nr); break;
-                }
-            }
+            for (int64_t m0 = 0; m0 < M; m0 += MR)
+                tile_rows(a + g * a_batch + m0 * lda, lda, panel, NR, c + g * M * N + m0 * N + n0, N, K, M - m0, nr);
         }
         free(panel);
     }
