@@ -37,7 +37,8 @@ class HFCache:
 class HFPolicy(nn.Module):
     execution = "fast"
 
-    def __init__(self, source, *, dtype=torch.float32, attn_implementation: str = "sdpa"):
+    def __init__(self, source, *, dtype=torch.float32, attn_implementation: str = "sdpa",
+                 max_seq_len: int | None = None):
         super().__init__()
         tf = _transformers()
         # transformers renamed torch_dtype -> dtype and past_key_values -> cache; support both
@@ -53,6 +54,11 @@ class HFPolicy(nn.Module):
                 str(source), local_files_only=True, attn_implementation=attn_implementation, **dtype_kw
             )
         self.model.eval()
+        context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        if max_seq_len is not None and max_seq_len > context:
+            raise ValueError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's context "
+                             f"(max_position_embeddings={context})")
+        self._max_seq_len = max_seq_len or context  # sequences are capped here (model.max_seq_len)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
@@ -66,7 +72,7 @@ class HFPolicy(nn.Module):
 
     @property
     def max_seq_len(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return self._max_seq_len
 
     def _check(self, tokens):
         if tokens.dim() != 2 or tokens.shape[1] == 0:

@@ -112,6 +112,22 @@ class RolloutBatch:
                 changes[f.name] = value
         return self.replace(**changes)
 
+    def shorten(self, length: torch.Tensor) -> RolloutBatch:
+        """The rows cut to ``length`` (each at most its own): later tokens leave the mask and lose their records."""
+        length = torch.minimum(torch.as_tensor(length, dtype=torch.long), self.length)
+        keep = torch.arange(self.tokens.shape[1])[None, :] < length[:, None]
+        changes = {"length": length, "action_mask": self.action_mask & keep,
+                   "sampler_logp": torch.where(keep, self.sampler_logp, 0.0),
+                   "version": torch.where(keep, self.version, -1)}
+        if self.kv_version is not None:
+            changes["kv_version"] = torch.where(keep, self.kv_version, -1)
+        if self.sampler_topk_ids is not None:
+            changes["sampler_topk_ids"] = torch.where(keep[..., None], self.sampler_topk_ids, 0)
+            changes["sampler_topk_logp"] = torch.where(keep[..., None], self.sampler_topk_logp, 0.0)
+        if self.advantage is not None and self.advantage.dim() == 2:
+            changes["advantage"] = torch.where(keep, self.advantage, 0.0)
+        return self.replace(**changes)
+
     def completions(self) -> list[list[int]]:
         return [self.tokens[i, self.prompt_len[i]:self.length[i]].tolist() for i in range(self.batch_size)]
 

@@ -82,3 +82,12 @@ def assemble(*, tokens, prompt_len, length, mask, logq, version, kv_version, par
         group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
         created=torch.full((b,), time.time(), dtype=torch.float64), kv_version=kv_version.contiguous(),
         meta=meta or {})
+
+
+def eos_ids(eos) -> tuple[int, ...]:
+    """``eos`` (None, one id or several) as a tuple of ids."""
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(e) for e in eos)

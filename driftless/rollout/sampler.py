@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.engine import REFRESH_POLICIES, assemble, check_request, prepare
+from driftless.rollout.engine import REFRESH_POLICIES, assemble, check_request, eos_ids, prepare
 from driftless.rollout.sampling import SamplingParams, is_aligned, sampling_logprobs
 from driftless.rollout.snapshot import Snapshot
 
@@ -48,7 +48,7 @@ class Sampler:
 
     ``version``: the weight version ``policy`` already holds (None: call ``load`` first)."""
 
-    def __init__(self, policy, *, head_k: int = 32, eos_id: int | None = None, pad_id: int = 0, view=None,
+    def __init__(self, policy, *, head_k: int = 32, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, view=None,
                  version: int | None = None, decode_latency: float = 0.0):
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
@@ -57,7 +57,8 @@ class Sampler:
         self.decode_latency = decode_latency  # seconds slept per decode step: a slower (larger) model's token time
         self.policy = policy
         self.head_k = head_k
-        self.eos_id = eos_id
+        self.eos_ids = eos_ids(eos_id)  # every id that ends a response (a checkpoint may have several)
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = pad_id
         self.view = view  # a mismatch view applied at every load (driftless.mismatch)
         self.version: int | None = version
@@ -148,8 +149,8 @@ class Sampler:
                 top = torch.topk(logq, k, dim=-1)
                 steps["head_ids"].append(top.indices)
                 steps["head_logp"].append(top.values.float())
-            if self.eos_id is not None:
-                done |= active & (tok == self.eos_id)
+            if self.eos_ids:
+                done |= active & torch.isin(tok, torch.tensor(self.eos_ids))
             seq[active, pos[active].clamp(max=total - 1)] = tok[active]
             pos = pos + active.long()
             if not (~done & (pos < limit)).any():

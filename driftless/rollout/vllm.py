@@ -41,7 +41,7 @@ import torch
 
 from driftless.ops.cpu import has_avx512_or_amx
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.engine import assemble, prepare
+from driftless.rollout.engine import assemble, eos_ids, prepare
 from driftless.rollout.sampling import SamplingParams
 from driftless.rollout.snapshot import Snapshot
 
@@ -113,7 +113,8 @@ class VLLMSampler:
     ``sampling_kwargs``: further ``vllm.SamplingParams`` fields, refused when they change q.
     """
 
-    def __init__(self, policy, *, head_k: int = 32, eos_id: int | None = None, pad_id: int = 0, view=None,
+    def __init__(self, policy, *, head_k: int = 32, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0,
+                 view=None,
                  model_dir: str | Path | None = None, tokenizer: bool = False, device: str = "cpu",
                  kv_cache_bytes: int = 64 << 20, seed: int = 0, engine_kwargs: dict | None = None,
                  sampling_kwargs: dict | None = None):
@@ -140,7 +141,9 @@ class VLLMSampler:
         refused = engine_option_unavailable(engine_kwargs or {}, device)
         if refused is not None:
             raise ValueError(refused)
-        self.policy, self.head_k, self.eos_id, self.pad_id, self.view = policy, head_k, eos_id, pad_id, view
+        self.policy, self.head_k, self.pad_id, self.view = policy, head_k, pad_id, view
+        self.eos_ids = eos_ids(eos_id)  # every id that ends a response
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.sampling_kwargs = sampling_kwargs
         self.version: int | None = None
         self._owned_dir = None
@@ -238,8 +241,7 @@ class VLLMSampler:
 
         extra = dict(self.sampling_kwargs)
         stop = list(extra.pop("stop_token_ids", []))
-        if self.eos_id is not None:
-            stop.append(self.eos_id)
+        stop.extend(e for e in self.eos_ids if e not in stop)
         return VParams(
             temperature=0.0 if params.greedy else params.temperature, top_k=params.top_k, top_p=params.top_p,
             max_tokens=max_new_tokens, logprobs=self.head_k, seed=seed, detokenize=False,

@@ -23,6 +23,7 @@ from driftless.rollout.engine import RolloutEngine
 from driftless.rollout.sampler import Sampler
 from driftless.rollout.sampling import SamplingParams
 from driftless.rollout.snapshot import Snapshot
+from driftless.rollout.text import stop_lengths
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -45,12 +46,13 @@ class RolloutSettings:
     reward_latency: float = 0.0  # seconds per prompt group, slept after generation (a verifier / tool stand-in)
     decode_latency: float = 0.0  # seconds per decode step, slept by the sampler (a larger model's token time)
     engine: str = "driftless"  # driftless (the built-in Sampler) | vllm (driftless.rollout.vllm)
+    stop: tuple[str, ...] = ()  # stop strings (rollout.stop): a response ends with the token completing one
 
 
 ENGINES = ("driftless", "vllm")
 
 
-def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id: int, view=None,
+def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | tuple[int, ...] | None, pad_id: int, view=None,
                  decode_latency: float = 0.0) -> RolloutEngine:
     """The rollout engine by name: the built-in Sampler or the vLLM-backed one (same interface)."""
     if engine == "driftless":
@@ -65,15 +67,29 @@ def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | None, pad_id
     raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
 
 
-class RolloutWorker:
-    """Sampler + task + reward shaping. ``policy`` is the worker's own copy (a view may change it)."""
+def score_completions(task, problems, completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each completion's task reward, and the batch mean of each named part (tasks with several rewards)."""
+    if hasattr(task, "score_batch"):
+        total, parts = task.score_batch(problems, completions)
+    else:
+        total, parts = [task.score(p, c) for p, c in zip(problems, completions)], {}
+    means = {f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()} if len(parts) > 1 else {}
+    return torch.tensor(total, dtype=torch.float32), means
 
-    def __init__(self, policy, task, tokenizer, settings: RolloutSettings, *, view=None):
+
+class RolloutWorker:
+    """Sampler + task + reward shaping. ``policy`` is the worker's own copy (a view may change it).
+
+    ``text``: the model's text interface (``driftless.rollout.text.TextCodec``, or any tokenizer
+    with ``encode(prompt)``, ``decode(ids)``, ``eos_id`` / ``eos_ids`` and ``pad_id``)."""
+
+    def __init__(self, policy, task, text, settings: RolloutSettings, *, view=None):
         if isinstance(policy, SupportsNumerics):
             policy.numerics = None  # the mismatch view decides the sampler's numerics
-        self.sampler = make_sampler(settings.engine, policy, head_k=settings.head_k, eos_id=tokenizer.eos_id,
-                                    pad_id=tokenizer.pad_id, view=view, decode_latency=settings.decode_latency)
-        self.task, self.tokenizer, self.settings = task, tokenizer, settings
+        self.sampler = make_sampler(settings.engine, policy, head_k=settings.head_k,
+                                    eos_id=getattr(text, "eos_ids", text.eos_id), pad_id=text.pad_id, view=view,
+                                    decode_latency=settings.decode_latency)
+        self.task, self.text, self.settings = task, text, settings
         self.snapshot: Snapshot | None = None  # the snapshot last loaded (before the view)
 
     @property
@@ -109,7 +125,8 @@ class RolloutWorker:
                     self.snapshot = snapshot
                 return snapshot
         problems = self.task.sample(s.prompts_per_step, random.Random(step_seed(s.seed, step, 1)), "train")
-        prompts = [self.tokenizer.encode(p.prompt) for p in problems for _ in range(s.group_size)]
+        encoded = [self.text.encode(p.prompt) for p in problems]
+        prompts = [ids for ids in encoded for _ in range(s.group_size)]
         groups = [i for i in range(len(problems)) for _ in range(s.group_size)]
         batch = self.sampler.generate(prompts, s.sampling, s.max_new_tokens, seed=step_seed(s.seed, step, 2),
                                       group=groups, weights=fetch, refresh=s.refresh,
@@ -117,14 +134,17 @@ class RolloutWorker:
         t_generate = time.perf_counter()
         if s.reward_latency:
             time.sleep(s.reward_latency * s.prompts_per_step)
-        completions = [self.tokenizer.decode(c) for c in batch.completions()]
-        success = torch.tensor([self.task.score(problems[g], c) for g, c in zip(groups, completions)])
+        if s.stop:
+            batch = batch.shorten(stop_lengths(batch, self.text, s.stop))
+        completions = [self.text.decode(c) for c in batch.completions()]
+        success, parts = score_completions(self.task, [problems[g] for g in groups], completions)
         reward = shape_rewards(success, batch.group, s.reward_mode)
         advantage = group_advantages(reward, batch.group, s.advantage).float()
         batch = batch.replace(reward=reward.float(), advantage=advantage)
         n_tokens = int(batch.action_mask.sum())
         metrics = {
             "reward": float(success.mean()),
+            **parts,
             "response_length": float((batch.length - batch.prompt_len).float().mean()),
             "rollout_s": time.perf_counter() - t0,
             "tokens_per_s": n_tokens / max(t_generate - t0, 1e-9),

@@ -19,6 +19,8 @@ class CharTokenizer:
             raise ValueError(f"vocab_size {vocab_size} is smaller than the {len(unique) + 3} tokens needed")
         self.vocab_size = vocab_size
         self.pad_id, self.bos_id, self.eos_id = PAD, BOS, EOS
+        self.eos_ids = (EOS,)
+        self.chat_template = None  # no chat template: chat messages are rendered as plain text
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         bad = sorted({c for c in text if c not in self.stoi})
@@ -35,3 +37,7 @@ class CharTokenizer:
             if i in self.itos:
                 out.append(self.itos[i])
         return "".join(out)
+
+    def show(self, ids) -> str:
+        """Text as the model saw it (BOS and pad dropped: they have no character)."""
+        return "".join(self.itos.get(int(i), "") for i in ids)

@@ -18,18 +18,38 @@ import torch
 
 from driftless.mismatch import parse_view
 from driftless.rollout import SamplingParams
+from driftless.rollout.text import TextCodec
 from driftless.rollout.worker import RolloutSettings, RolloutWorker
 from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfig, FirstToken
 from driftless.train.config import RunConfig
 from driftless.train.learner import Learner, make_optimizer
 
 
-def tokenizer(config: RunConfig | None = None) -> CharTokenizer:
+def tokenizer(config: RunConfig | None = None):
+    """The model's tokenizer: a checkpoint's own (model.kind=hf with model.hf_path), else TinyLM's characters."""
+    if config is not None and config.model.kind == "hf" and config.model.hf_path:
+        from driftless.models.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(config.model.hf_path)
     return CharTokenizer()
+
+
+def codec(config: RunConfig, tok=None) -> TextCodec:
+    """Prompts to ids and ids to text, through the model's tokenizer and (for chat messages) its chat template."""
+    t = config.task
+    return TextCodec(tok or tokenizer(config), chat_template=t.chat_template, system_prompt=t.system_prompt,
+                     context=config.model.max_seq_len, max_new_tokens=config.rollout.max_new_tokens,
+                     truncate=t.truncate_prompts)
 
 
 def task(config: RunConfig):
     t = config.task
+    if t.name == "dataset":
+        from driftless.tasks.dataset import DatasetTask
+
+        return DatasetTask(t.path, prompt_key=t.prompt_key, answer_key=t.answer_key, eval_path=t.eval_path,
+                           eval_fraction=t.eval_fraction, reward=t.reward, rewards=t.rewards,
+                           completion_key=t.completion_key)
     if t.name == "arithmetic":
         return Arithmetic(t.max_operand)
     if t.name == "first-token":
@@ -52,8 +72,31 @@ def sampling(config: RunConfig) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
 
 
+def _check_text(config: RunConfig) -> None:
+    """Settings of the model's text interface that cannot work together, refused by name."""
+    m, t, r = config.model, config.task, config.rollout
+    if r.max_new_tokens >= m.max_seq_len:
+        raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in "
+                         f"model.max_seq_len={m.max_seq_len}")
+    if t.name == "dataset" and m.kind == "tiny" and m.warm_start:
+        raise ValueError("task.name=dataset with model.kind=tiny: TinyLM's warm start trains on the built-in tasks' "
+                         "generated solutions; set model.warm_start=false, or bring a checkpoint (model.kind=hf, "
+                         "model.hf_path; driftless make-model builds one)")
+    if t.name != "dataset":
+        for key in ("path", "eval_path", "answer_key", "completion_key", "reward", "system_prompt"):
+            if getattr(t, key) is not None:
+                raise ValueError(f"task.{key} needs task.name=dataset (the built-in {t.name} task gives string "
+                                 "prompts and scores them itself)")
+        if t.rewards:
+            raise ValueError(f"task.rewards needs task.name=dataset (the built-in {t.name} task scores itself)")
+    if m.kind == "hf" and not m.hf_path and t.name == "dataset":
+        raise ValueError("task.name=dataset with model.kind=hf needs model.hf_path (a checkpoint with its tokenizer); "
+                         "without it the random tiny Qwen3 uses TinyLM's character tokenizer")
+
+
 def check(config: RunConfig) -> RunConfig:
     """Refuse, by name, what the domain cannot build from ``config`` (before anything runs)."""
+    _check_text(config)
     for section, make in (("task", task), ("objective", objective), ("mismatch.view", view),
                           ("rollout", sampling)):
         try:
@@ -80,21 +123,26 @@ def tiny_config(config: RunConfig, vocab_size: int):
                         n_kv_head=m.n_kv_head, d_ff=m.d_ff, max_seq_len=m.max_seq_len)
 
 
-def _hf_source(config: RunConfig, tok):
-    from driftless.models.hf import tiny_qwen3_config
+def _hf_policy(config: RunConfig, tok):
+    """The transformers model of ``config``: the checkpoint at model.hf_path, else a tiny random Qwen3."""
+    from driftless.models.hf import HFPolicy, tiny_qwen3_config
 
     m = config.model
-    return m.hf_path or tiny_qwen3_config(vocab_size=tok.vocab_size, max_positions=m.max_seq_len)
+    if not m.hf_path:
+        return HFPolicy(tiny_qwen3_config(vocab_size=tok.vocab_size, max_positions=m.max_seq_len))
+    made = HFPolicy(m.hf_path, max_seq_len=m.max_seq_len)
+    if tok.vocab_size > made.vocab_size:
+        raise ValueError(f"model.hf_path {m.hf_path!r}: the tokenizer has {tok.vocab_size} tokens but the model's "
+                         f"vocabulary is {made.vocab_size}")
+    return made
 
 
 def initial_state(config: RunConfig, tok=None, progress: bool = True) -> tuple[dict, dict | None]:
     """(starting weights, warm-start info or None)."""
     tok = tok or tokenizer(config)
     if config.model.kind == "hf":
-        from driftless.models.hf import HFPolicy
-
-        torch.manual_seed(config.train.seed)
-        return HFPolicy(_hf_source(config, tok)).state_dict(), None
+        torch.manual_seed(config.train.seed)  # a random init without model.hf_path; a checkpoint's weights with it
+        return _hf_policy(config, tok).state_dict(), None
     from driftless.models import TinyLM
 
     model_config = tiny_config(config, tok.vocab_size)
@@ -119,9 +167,7 @@ def policy(config: RunConfig, state: dict | str | Path, tok=None):
 
         state = load_file(str(state))
     if config.model.kind == "hf":
-        from driftless.models.hf import HFPolicy
-
-        made = HFPolicy(_hf_source(config, tok))
+        made = _hf_policy(config, tok)
     else:
         from driftless.models import TinyLM
 
@@ -152,10 +198,11 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
                            head_k=r.head_k, seed=config.train.seed, refresh=r.refresh,
                            refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
-                           decode_latency=r.decode_latency, engine=r.engine)
+                           decode_latency=r.decode_latency, engine=r.engine, stop=tuple(r.stop))
 
 
 def worker(config: RunConfig, state: dict) -> RolloutWorker:
     """A rollout worker with its own policy copy on ``state``, sampling through the config's mismatch view."""
     tok = tokenizer(config)
-    return RolloutWorker(policy(config, state, tok), task(config), tok, rollout_settings(config), view=view(config))
+    return RolloutWorker(policy(config, state, tok), task(config), codec(config, tok), rollout_settings(config),
+                         view=view(config))

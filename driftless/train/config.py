@@ -27,7 +27,7 @@ Runtime = Literal["sync", "thread", "process", "ray"]
 ASYNC_RUNTIMES = ("thread", "process", "ray")
 RefreshPolicy = Literal["pin", "recompute", "retain"]
 Engine = Literal["driftless", "vllm"]
-TaskName = Literal["countdown", "arithmetic", "first-token"]
+TaskName = Literal["countdown", "arithmetic", "first-token", "dataset"]
 RewardMode = Literal["+1/0", "±1", "±1-centered"]
 Estimator = Literal["group-mean", "grpo", "leave-one-out", "none"]
 TrainerNumerics = Literal["fp", "fwd-fq", "fwd-bwd-fq", "native"]
@@ -151,6 +151,19 @@ class TaskSection(_Section):
     ops: str = "+-*/"
     max_operand: int = 20  # arithmetic only
     target: str = "7"  # first-token only: the rewarded first character
+    # dataset: the user's file (docs/own-model.md)
+    path: str | None = None  # JSONL, JSON or Parquet (read with Hugging Face datasets, local files only)
+    eval_path: str | None = None  # the held-out file; None: a hash split of path by eval_fraction
+    eval_fraction: float = field(default=0.1, metadata={"above": 0})
+    prompt_key: str = "prompt"  # a string or a list of {role, content} messages
+    answer_key: str | None = None  # the reference answer column (exact, math)
+    completion_key: str | None = None  # a reference completion column (supervised warm starts)
+    reward: str | None = None  # countdown | exact | math | "module.path:function" | "file.py:function"
+    rewards: list = field(default_factory=list)  # several: [{name, weight}], each logged as reward/<name>
+    # how prompts reach the model (any task)
+    chat_template: Literal["auto", "none"] = "auto"  # auto: chat messages through the tokenizer's template if it has one
+    system_prompt: str | None = None  # put first in chat-message prompts
+    truncate_prompts: bool = False  # a prompt without room for rollout.max_new_tokens: refused (false) or left-truncated
 
 
 @dataclass
@@ -173,6 +186,7 @@ class RolloutSection(_Section):
     workers: int = _positive(1)  # process | ray: rollout workers producing batches in turn
     ray_num_cpus: int | None = _at_least(None, 1)  # ray: CPUs for ray.init when no cluster is connected; None: 2
     engine: Engine = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
+    stop: list[str] = field(default_factory=list)  # stop strings: a response ends with the token that completes one
 
     @property
     def eta(self) -> int:

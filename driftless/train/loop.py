@@ -30,6 +30,7 @@ from driftless.train.trace import TRACE_DIR, write_batch
 
 TIMING_KEYS = ("tokens_per_s", "step_time", "rollout_s", "score_s", "loss_s", "optim_s", "eval_s", "wall_time",
                "learner_wait_s", "worker_wait_s", "prequeue_s", "inqueue_s")
+SAMPLES_FILE, SAMPLES_PER_EVAL = "samples.jsonl", 4  # a few held-out prompts and responses per evaluation
 COLLAPSE_FRACTION = 0.5  # collapsed: train-reward EMA (0.9) below half its best, once the best is >= 0.1
 
 
@@ -39,10 +40,12 @@ class Run:
         self.dir = Path(run_dir or config.train.run_dir)
         self.progress = config.train.progress if progress is None else progress
         self.tokenizer = build.tokenizer(config)
+        self.text = build.codec(config, self.tokenizer)  # prompts through the model's tokenizer and chat template
         self.task = build.task(config)
+        self.eval_problems = self.task.eval_set(config.train.eval_problems)
+        check_prompts(self.task, self.text, self.eval_problems)  # refused with their rows before any weights load
         state, self.warm_info = build.initial_state(config, self.tokenizer, self.progress)  # once, here
         self.source = make_source(config, state)
-        self.eval_problems = self.task.eval_set(config.train.eval_problems)
         self.step_index = 0  # completed steps
         self.reward_ema: float | None = None
         self.best_reward_ema = 0.0
@@ -71,7 +74,7 @@ class Run:
         batch, dropped = drop_stale(delivery.batch, version, self.source.bound)  # never silently used
         self.stale_rows_dropped += dropped
         if self.config.train.trace:
-            write_batch(self.dir, s, batch)
+            write_batch(self.dir, s, batch, prompts=self._prompt_texts(batch))
         if batch is not None:
             learner = self.learner.update(batch)
         else:
@@ -102,10 +105,23 @@ class Run:
         return metrics
 
     def _evaluate(self) -> float:
-        """Held-out greedy reward of the learner's policy (kept as ``last_eval``)."""
-        self.last_eval = evaluate(self.policy, self.task, self.tokenizer, self.eval_problems,
-                                  max_new_tokens=self.config.rollout.max_new_tokens)["eval_reward"]
+        """Held-out greedy reward of the learner's policy (kept as ``last_eval``); a few of its prompts as the
+        model saw them, with their responses, go to ``samples.jsonl``."""
+        result = evaluate(self.policy, self.task, self.text, self.eval_problems,
+                          max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL)
+        with open(self.dir / SAMPLES_FILE, "a") as f:
+            f.writelines(json.dumps({"step": self.step_index, **s}, ensure_ascii=False) + "\n" for s in result["samples"])
+        self.last_eval = result["eval_reward"]
         return self.last_eval
+
+    def _prompt_texts(self, batch) -> list[str] | None:
+        """Each prompt group's prompt as the model saw it (for the trace)."""
+        if batch is None:
+            return None
+        first = {}
+        for row, g in enumerate(batch.group.tolist()):
+            first.setdefault(g, row)
+        return [self.text.show(batch.tokens[row, : batch.prompt_len[row]].tolist()) for row in first.values()]
 
     # ------------------------------------------------------------------ driving
     def run(self, resume: bool = False, overwrite: bool = False) -> Path:
@@ -127,6 +143,7 @@ class Run:
                                  "--overwrite to start the run over")
             self.load_checkpoint(*intact)
             _truncate_metrics(self.dir / "metrics.jsonl", self.step_index)
+            _truncate_metrics(self.dir / SAMPLES_FILE, self.step_index + 1)  # samples are keyed by steps done
         else:
             if latest is not None and not overwrite:
                 raise ValueError(f"{self.dir} already holds a run: pass --resume to continue it, --overwrite to "
@@ -134,6 +151,7 @@ class Run:
             checkpoint.clear_checkpoints(self.dir)
             shutil.rmtree(self.dir / TRACE_DIR, ignore_errors=True)  # a trace is of one run only
             (self.dir / "metrics.jsonl").unlink(missing_ok=True)
+            (self.dir / SAMPLES_FILE).unlink(missing_ok=True)
             initial = self._evaluate()
             (self.dir / "initial_eval.json").write_text(json.dumps({"eval_reward": initial,
                                                                     "warm_start": self.warm_info}, indent=2))
@@ -187,6 +205,13 @@ class Run:
         versions = state.get("snapshot_versions", {})
         self.source.restore(Snapshot(ckpt["sampler"], state["sampler_version"]),
                             {k: Snapshot(v, versions[str(k)]) for k, v in ckpt["snapshots"].items()})
+
+
+def check_prompts(task, text, eval_problems) -> None:
+    """Every prompt of a finite task (a data file) fits the context, else refused naming its row."""
+    rows = [*getattr(task, "train", []), *getattr(task, "eval", [])] if hasattr(task, "rows") else eval_problems
+    for row in rows:
+        text.encode(row.prompt, where=getattr(row, "where", "held-out prompt"))
 
 
 def _truncate_metrics(path: Path, completed: int) -> None:

@@ -26,8 +26,9 @@ from driftless.train.config import load_config
 TRACE_DIR = "trace"
 
 
-def write_batch(run_dir: Path, step: int, batch: RolloutBatch | None) -> None:
-    """Record the batch the learner consumed at ``step`` (None: every row was dropped as stale)."""
+def write_batch(run_dir: Path, step: int, batch: RolloutBatch | None, prompts: list[str] | None = None) -> None:
+    """Record the batch the learner consumed at ``step`` (None: every row was dropped as stale); ``prompts``:
+    each prompt group's prompt as the model saw it (chat template included), kept in the file's metadata."""
     out = Path(run_dir) / TRACE_DIR
     out.mkdir(parents=True, exist_ok=True)
     tensors, meta = {}, {"step": str(step)}
@@ -38,6 +39,8 @@ def write_batch(run_dir: Path, step: int, batch: RolloutBatch | None) -> None:
                 tensors[f.name] = value.contiguous()
         meta["sampling"] = json.dumps(dataclasses.asdict(batch.sampling))
         meta["meta"] = json.dumps(batch.meta)
+        if prompts is not None:
+            meta["prompts"] = json.dumps(prompts, ensure_ascii=False)
     tmp = out / f".step_{step:06d}.tmp"
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(out / f"step_{step:06d}.safetensors")
