@@ -108,7 +108,7 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = True) -> s
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int = 128):
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as a transformers fast tokenizer with
     CHAT_TEMPLATE. The vocabulary stops below ``vocab_size`` when the text has no more pairs to merge."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -132,7 +132,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.train_from_iterator(pieces, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD,
                                    additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
-                                   clean_up_tokenization_spaces=False, model_max_length=None)
+                                   clean_up_tokenization_spaces=False, model_max_length=model_max_length)
 
 
 def _check_tokenizer(tokenizer, texts: list[str]) -> None:
@@ -143,6 +143,19 @@ def _check_tokenizer(tokenizer, texts: list[str]) -> None:
         back = tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids)
         if back != text:
             raise RuntimeError(f"the tokenizer does not round-trip {text!r} (decodes to {back!r})")
+
+
+def _check_saved(path: Path, texts: list[str], messages: list[dict]) -> None:
+    """The saved tokenizer reloads with AutoTokenizer, renders ChatML and round-trips the text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if rendered != render_chatml(messages):
+        raise RuntimeError(f"the saved chat template renders {rendered!r}, expected {render_chatml(messages)!r}")
+    if (tok.eos_token, tok.pad_token) != (IM_END, PAD):
+        raise RuntimeError(f"the saved tokenizer's eos / pad are {tok.eos_token!r} / {tok.pad_token!r}")
+    _check_tokenizer(tok, texts)
 
 
 def _row_score(row: dict, text: str) -> float:
@@ -263,8 +276,9 @@ def make_model(
         raise ValueError("make_model: give both rows_train and rows_eval, or neither (the built-in Countdown rows)")
     if rows_train is None:
         rows_train, rows_eval = countdown_rows("train"), countdown_rows("eval")
-    if not rows_train:
-        raise ValueError("make_model: rows_train is empty")
+    if not rows_train or not rows_eval:
+        raise ValueError(f"make_model: rows_train ({len(rows_train)} rows) and rows_eval ({len(rows_eval)} rows) "
+                         "must both be non-empty")
     for name, value in (("hidden", hidden), ("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
                         ("intermediate", intermediate), ("max_positions", max_positions), ("sft_steps", sft_steps),
                         ("sft_batch", sft_batch), ("max_new_tokens", max_new_tokens)):
@@ -296,7 +310,7 @@ def make_model(
     t0 = time.time()
     train_messages = [_messages(r, f"training row {n}") for n, r in enumerate(rows_train)]
     texts = [render_chatml(m) for m in train_messages] + [r["completion"] for r in rows_train]
-    tokenizer = train_tokenizer(texts, vocab_size)
+    tokenizer = train_tokenizer(texts, vocab_size, max_positions)
     _check_tokenizer(tokenizer, texts + [render_chatml(_messages(r, "eval row")) for r in rows_eval])
     pad_id, im_end_id = tokenizer.convert_tokens_to_ids(PAD), tokenizer.convert_tokens_to_ids(IM_END)
     examples = _examples(tokenizer, rows_train, max_positions)
@@ -315,7 +329,11 @@ def make_model(
     n_params = sum(p.numel() for p in policy.parameters())
 
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=sft_steps, pct_start=0.05)
+    if sft_steps >= 3:  # a 5% warm-up, at least two steps (OneCycleLR divides by the warm-up's length)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=sft_steps,
+                                                    pct_start=max(0.05, 2 / sft_steps))
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     rng = random.Random(seed)
     loss_value = float("nan")
     bar = tqdm(range(sft_steps), desc="make-model SFT", disable=not progress, leave=False)
@@ -348,6 +366,7 @@ def make_model(
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _check_saved(tmp, texts, train_messages[0])
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
     _write_atomically(out_dir, write)

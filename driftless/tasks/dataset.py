@@ -63,6 +63,8 @@ def read_rows(path: str | Path, prompt_key: str, *, required: tuple[str, ...] = 
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"task data file {str(path)!r}: unknown format {path.suffix!r}; use .jsonl, .json or .parquet")
+    if path.stat().st_size == 0:
+        raise ValueError(f"task data file {str(path)!r} has no rows")
     if fmt == "json" and path.suffix.lower() == ".json":
         records = _json_records(path)
     else:
