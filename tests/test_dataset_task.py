@@ -12,7 +12,8 @@ from driftless.rollout import Sampler, SamplingParams, Snapshot
 from driftless.rollout.text import TextCodec, stop_lengths
 from driftless.tasks import CharTokenizer
 from driftless.tasks.dataset import DatasetTask, hash_split, read_rows
-from driftless.tasks.rewards import exact, extract_answer, math as math_reward
+from driftless.tasks.rewards import exact, extract_answer
+from driftless.tasks.rewards import math as math_reward
 from driftless.train import Run, load_config
 
 CALLS: list[dict] = []  # what user_reward saw (a reward defined in a test file, loaded as "test_dataset_task:...")

@@ -52,6 +52,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen2/3's split (tokenizer.json of Qwen/Qwen3-*): letters, single digits, punctuation, newlines, spaces.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
 INFO_FILE = "driftless_make_model.json"
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                     "tokenizer_config.json")
@@ -108,10 +111,10 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = True) -> s
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int = 128):
+def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int = 128, *, split_digits: bool = False):
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as a transformers fast tokenizer with
     CHAT_TEMPLATE. The vocabulary stops below ``vocab_size`` when the text has no more pairs to merge."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -119,7 +122,12 @@ def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int = 1
         raise ValueError(f"vocab_size must be >= {len(alphabet) + len(SPECIAL_TOKENS)} (the 256 bytes and the "
                          f"special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:  # Qwen2/3's own pre-tokenizer: every digit its own piece, then bytes
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=alphabet, show_progress=False)
@@ -264,6 +272,7 @@ def make_model(
     weight_decay: float = 0.01,
     max_new_tokens: int = 24,
     seed: int = 0,
+    split_digits: bool = False,
     force: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -292,7 +301,7 @@ def make_model(
     settings = {"vocab_size": vocab_size, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
                 "intermediate": intermediate, "max_positions": max_positions, "sft_steps": sft_steps,
                 "sft_batch": sft_batch, "lr": lr, "weight_decay": weight_decay, "max_new_tokens": max_new_tokens,
-                "seed": seed}
+                "seed": seed, "split_digits": split_digits}
     key = build_key(settings, rows_train, rows_eval)
     out_dir = Path(out_dir)
     existing = stored_info(out_dir)
@@ -310,7 +319,7 @@ def make_model(
     t0 = time.time()
     train_messages = [_messages(r, f"training row {n}") for n, r in enumerate(rows_train)]
     texts = [render_chatml(m) for m in train_messages] + [r["completion"] for r in rows_train]
-    tokenizer = train_tokenizer(texts, vocab_size, max_positions)
+    tokenizer = train_tokenizer(texts, vocab_size, max_positions, split_digits=split_digits)
     _check_tokenizer(tokenizer, texts + [render_chatml(_messages(r, "eval row")) for r in rows_eval])
     pad_id, im_end_id = tokenizer.convert_tokens_to_ids(PAD), tokenizer.convert_tokens_to_ids(IM_END)
     examples = _examples(tokenizer, rows_train, max_positions)

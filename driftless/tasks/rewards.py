@@ -72,7 +72,7 @@ def math(prompts, completions, *, answer_key: str = "answer", **columns) -> list
     try:
         from math_verify import parse, verify
     except ImportError as err:  # pragma: no cover - exercised only without the extra
-        raise ImportError("task.reward=math needs the math-verify package: pip install 'driftless[data]'") from err
+        raise ImportError("task.reward=math needs the math-verify package: pip install 'driftless[hf]'") from err
     answers = _column(columns, answer_key, "math")
     out = []
     for completion, answer in zip(completions, answers):
