@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo study study-paper study-quick test test-compiled test-vllm lint bench clean
+.PHONY: install demo hf study study-paper study-quick test test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -24,6 +24,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/driftless demo
+
+# RL on a checkpoint and a data file (docs/own-model.md): the stand-ins built locally, then configs/hf.yaml
+hf: $(STAMP)
+	$(VENV)/bin/driftless export-task runs/data/countdown
+	$(VENV)/bin/driftless make-model runs/models/countdown-qwen3 --data runs/data/countdown/train.jsonl --eval-data runs/data/countdown/eval.jsonl
+	$(VENV)/bin/driftless train configs/hf.yaml
 
 # docs/RESULTS.md: every experiment of experiments/study/ into results/study/ (resumable: run it again to continue)
 study: $(STAMP)

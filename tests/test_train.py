@@ -387,6 +387,20 @@ def test_every_shipped_config_runs_one_step(tmp_path, path):
     config = load_config(path, shrink)
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here (make test-vllm runs this config)")
+    if config.model.hf_path:  # the checkpoint and data `make hf` builds, made small here in their real format
+        from driftless.experiments.make_model import make_model
+        from driftless.tasks.export import task_rows, write_jsonl
+
+        task = Countdown(CountdownConfig(2, 1, 12, 100))
+        train_rows, held = task_rows(task, "train", draws=500), task_rows(task, "eval", draws=2000)
+        write_jsonl(train_rows, tmp_path / "data/train.jsonl")
+        write_jsonl(held, tmp_path / "data/eval.jsonl")
+        make_model(tmp_path / "model", rows_train=train_rows, rows_eval=held, vocab_size=300, hidden=32, layers=1,
+                   heads=2, kv_heads=1, intermediate=64, max_positions=config.model.max_seq_len, sft_steps=2,
+                   progress=False)
+        shrink += [f"model.hf_path={tmp_path / 'model'}", f"task.path={tmp_path / 'data/train.jsonl'}",
+                   f"task.eval_path={tmp_path / 'data/eval.jsonl'}"]
+        config = load_config(path, shrink)
     d = train(config)
     lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0] and lines[0]["version"] == 1
