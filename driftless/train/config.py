@@ -266,6 +266,7 @@ class TrainSection(_Section):
     progress: bool = True
     ppo_epochs: int = _positive(1)  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
     minibatches: int = _positive(1)  # optimizer steps per pass (rows split into contiguous minibatches)
+    micro_batch_tokens: int | None = _at_least(None, 1)  # gradient accumulation: at most this many tokens a forward
     loggers: list[LoggerName] = field(default_factory=lambda: ["jsonl"])
     trace: bool = False  # record every consumed batch under RUN/trace/ (driftless replay)
     learner_runtime: Literal["local", "ray"] = "local"  # ray: the learner in a Ray actor (rollout.runtime=ray)

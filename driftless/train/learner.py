@@ -7,6 +7,13 @@ tokens' age as seen by the objective grows within a batch (``objective_age_*``).
 epoch and one minibatch the anchor is the detached log p of the very forward that gives the
 gradient, so π0 = p and the PPO clip never acts (Eq. 3's proximal term only matters when a
 batch is reused). A non-finite loss or gradient skips the step and leaves the weights untouched.
+
+Micro-batches (``micro_batch_tokens``): each optimizer step's rows are split into consecutive
+micro-batches of at most that many tokens (prompt + response; a longer row goes alone), each scored
+and back-propagated on its own with the whole step's denominators (``Totals``: tokens, responses,
+rows, horizon, counted before any backward), so the accumulated gradient is the whole batch's for
+every reduction and preset. The logged objective and mismatch metrics are then computed once on the
+whole batch from the micro-batches' detached log-probabilities: the same metrics as one forward.
 """
 
 from __future__ import annotations
@@ -18,7 +25,40 @@ import time
 import torch
 
 from driftless.diagnostics.evidence import age_diagnostics, eq1_decomposition, head_diagnostics
+from driftless.objectives.reductions import Totals
+from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
+
+
+def micro_batches(lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
+    """Consecutive row groups of at most ``budget`` tokens each (a row longer than it goes alone); None: one group."""
+    n = int(lengths.shape[0])
+    if budget is None:
+        return [torch.arange(n)]
+    groups, current, used = [], [], 0
+    for row, length in enumerate(lengths.tolist()):
+        if current and used + length > budget:
+            groups.append(torch.tensor(current))
+            current, used = [], 0
+        current.append(row)
+        used += length
+    if current:
+        groups.append(torch.tensor(current))
+    return groups
+
+
+def _assemble(pieces: list[tuple[torch.Tensor, TokenLogprobs]], rows: int, width: int) -> TokenLogprobs:
+    """One detached [B, L] view from the micro-batches' views (each row back in its place, zero-padded)."""
+    def place(name):
+        first = getattr(pieces[0][1], name)
+        if first is None:
+            return None
+        out = first.new_zeros((rows, width, *first.shape[2:]))
+        for index, view in pieces:
+            value = getattr(view, name).detach()
+            out[index, : value.shape[1]] = value
+        return out
+    return TokenLogprobs(logp=place("logp"), head_logp=place("head_logp"), entropy=place("entropy"))
 
 
 def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
@@ -47,10 +87,13 @@ class Learner:
 
     def __init__(self, policy, objective, optimizer, *, grad_clip: float = 1.0, head_k: int | None = None,
                  ppo_epochs: int = 1, minibatches: int = 1, schedule: str = "constant", total_steps: int = 1,
-                 decomposition: bool = True, keep_versions: int = 0):
+                 decomposition: bool = True, keep_versions: int = 0, micro_batch_tokens: int | None = None):
         for name, value in (("ppo_epochs", ppo_epochs), ("minibatches", minibatches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
+        if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
+            raise ValueError(f"train.micro_batch_tokens must be a positive integer or null, got {micro_batch_tokens!r}")
+        self.micro_batch_tokens = micro_batch_tokens
         if not isinstance(keep_versions, int) or keep_versions < 0:
             raise ValueError(f"diagnostics.keep_versions must be an integer >= 0, got {keep_versions!r}")
         self.policy, self.objective, self.optimizer = policy, objective, optimizer
@@ -70,14 +113,20 @@ class Learner:
         t0 = time.perf_counter()
         self.policy.train()
         start_version = self.version
-        if self.ppo_epochs * self.minibatches == 1:
+        micro = self.micro_batch_tokens is not None
+        if self.ppo_epochs * self.minibatches == 1 and micro:
+            step, view = self._step_micro(batch, t0)  # π0 = p: each micro-batch's own detached log p
+            batch = batch.replace(anchor_logp=view.logp)
+            diagnostics = self._diagnostics(batch, view, start_version)
+            steps = [step]
+        elif self.ppo_epochs * self.minibatches == 1:
             view = score_batch(self.policy, batch, head_k=self.head_k)
             batch = batch.replace(anchor_logp=view.logp.detach())
             diagnostics = self._diagnostics(batch, view, start_version)
             steps = [self._step(batch, view, t0)]
         else:
             with torch.no_grad():  # π0: the trainer before the first step on this batch
-                start = score_batch(self.policy, batch, head_k=self.head_k)
+                start = self._score(batch)
             batch = batch.replace(anchor_logp=start.logp)
             diagnostics = self._diagnostics(batch, start, start_version)
             parts = [rows for rows in torch.arange(batch.batch_size).tensor_split(self.minibatches) if len(rows)]
@@ -86,7 +135,10 @@ class Learner:
                 for rows in parts:
                     t = time.perf_counter()
                     sub = batch.select(rows)
-                    steps.append(self._step(sub, score_batch(self.policy, sub, head_k=self.head_k), t))
+                    if micro:
+                        steps.append(self._step_micro(sub, t)[0])
+                    else:
+                        steps.append(self._step(sub, score_batch(self.policy, sub, head_k=self.head_k), t))
         metrics = _combine(steps)
         mask = batch.action_mask
         ages = batch.token_ages(start_version)
@@ -155,11 +207,71 @@ class Learner:
         except FloatingPointError:
             loss, skipped = None, True
         t_loss = time.perf_counter()
-        grad_norm = float("nan")
         version_seen = self.version
         if not skipped:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+        grad_norm = self._apply(metrics, skipped)
+        return self._step_metrics(metrics, batch, view, version_seen, grad_norm, t0, t_score, t_loss)
+
+    def _score(self, batch: RolloutBatch) -> TokenLogprobs:
+        """The trainer's view of ``batch``, micro-batch by micro-batch when ``micro_batch_tokens`` is set."""
+        if self.micro_batch_tokens is None:
+            return score_batch(self.policy, batch, head_k=self.head_k)
+        pieces = [(rows, score_batch(self.policy, batch.select(rows), head_k=self.head_k))
+                  for rows in micro_batches(batch.length, self.micro_batch_tokens)]
+        return _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
+
+    def _step_micro(self, batch: RolloutBatch, t0: float) -> tuple[dict, TokenLogprobs]:
+        """One optimizer step over micro-batches: each scored and back-propagated with the whole step's
+        denominators; the metrics computed once on the whole batch. Returns (metrics, the whole detached view)."""
+        t_score = time.perf_counter()
+        totals = Totals.of(batch.action_mask)
+        version_seen = self.version
+        self.optimizer.zero_grad(set_to_none=True)
+        pieces, skipped, t_objective = [], False, 0.0
+        for rows in micro_batches(batch.length, self.micro_batch_tokens):
+            sub = batch.select(rows)
+            view = score_batch(self.policy, sub, head_k=self.head_k)
+            if sub.anchor_logp is None:
+                sub = sub.replace(anchor_logp=view.logp.detach())
+            t = time.perf_counter()
+            try:
+                loss, _ = self.objective(view, sub, totals=totals)
+            except FloatingPointError:
+                skipped = True
+            t_objective += time.perf_counter() - t
+            pieces.append((rows, TokenLogprobs(view.logp.detach(), None if view.head_logp is None else
+                                               view.head_logp.detach(), view.entropy.detach())))
+            if skipped:
+                break
+            loss.backward()
+        if skipped:  # a non-finite loss: no step; the metrics' view is the whole batch's, scored again
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                whole = self._score(batch)
+        else:
+            whole = _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
+        anchored = batch if batch.anchor_logp is not None else batch.replace(anchor_logp=whole.logp)
+        metrics: dict = {}
+        if not skipped:
+            with torch.no_grad():
+                t = time.perf_counter()
+                try:  # the whole batch's objective metrics, from the micro-batches' log-probabilities
+                    metrics.update(self.objective(whole, anchored)[1])
+                except FloatingPointError:
+                    skipped = True
+                t_objective += time.perf_counter() - t
+        t_loss = time.perf_counter()
+        grad_norm = self._apply(metrics, skipped)
+        step = self._step_metrics(metrics, batch, whole, version_seen, grad_norm, t0, t_score, t_loss)
+        step["loss_s"], step["score_s"] = t_objective, t_loss - t_score - t_objective
+        return step, whole
+
+    def _apply(self, metrics: dict, skipped: bool) -> float:
+        """Clip, schedule and step on the accumulated gradient (none: skipped); the gradient norm."""
+        grad_norm = float("nan")
+        if not skipped:
             params = [p for p in self.policy.parameters() if p.grad is not None]
             grad_norm = float(torch.stack([p.grad.norm() for p in params]).norm()) if params else 0.0
             if not math.isfinite(grad_norm):
@@ -175,9 +287,13 @@ class Learner:
                     metrics["lr"] = self.base_lrs[0] * factor
                 self.optimizer.step()
                 self.version += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        if skipped:
+        self.optimizer.zero_grad(set_to_none=True)
+        if skipped or not math.isfinite(grad_norm):
             self.skipped_steps += 1
+        return grad_norm
+
+    def _step_metrics(self, metrics: dict, batch: RolloutBatch, view, version_seen: int, grad_norm: float,
+                      t0: float, t_score: float, t_loss: float) -> dict:
         mask = batch.action_mask
         ages = batch.token_ages(version_seen)
         metrics.update({
