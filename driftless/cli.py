@@ -134,6 +134,44 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
     d.set_defaults(func=_demo)
 
+    mm = sub.add_parser("make-model", help="a small Qwen3 checkpoint in Hugging Face format, warm-started on a task "
+                                           "(built locally, nothing downloaded): driftless make-model DIR")
+    mm.add_argument("dir", help="where the checkpoint goes (reused when it holds this very build)")
+    mm.add_argument("--data", help="training rows, JSONL as export-task writes (default: the built-in Countdown)")
+    mm.add_argument("--eval-data", help="held-out rows, JSONL (needed with --data)")
+    mm.add_argument("--steps", type=int, default=None, help="supervised steps (default: the calibrated 150)")
+    mm.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-3)")
+    mm.add_argument("--batch-size", type=int, default=64)
+    mm.add_argument("--vocab-size", type=int, default=512, help="the BPE's largest vocabulary (stops earlier when the "
+                                                               "text has no more pairs to merge)")
+    mm.add_argument("--hidden", type=int, default=192)
+    mm.add_argument("--layers", type=int, default=4)
+    mm.add_argument("--heads", type=int, default=3)
+    mm.add_argument("--kv-heads", type=int, default=1)
+    mm.add_argument("--intermediate", type=int, default=512)
+    mm.add_argument("--max-positions", type=int, default=128)
+    mm.add_argument("--whole-numbers", action="store_true",
+                    help="GPT-2's pre-tokenizer (numbers as whole tokens) instead of Qwen's one-digit split")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--force", action="store_true", help="rebuild even if DIR holds this build; replace other files")
+    mm.add_argument("--no-progress", action="store_true")
+    mm.set_defaults(func=_make_model)
+
+    ex = sub.add_parser("export-task", help="a built-in task's problems as train.jsonl / eval.jsonl: "
+                                            "driftless export-task OUT_DIR")
+    ex.add_argument("out_dir")
+    ex.add_argument("--task", choices=("countdown", "arithmetic"), default="countdown")
+    ex.add_argument("--n-numbers", type=int, default=2, help="countdown")
+    ex.add_argument("--min-number", type=int, default=1, help="countdown")
+    ex.add_argument("--max-number", type=int, default=12, help="countdown")
+    ex.add_argument("--max-target", type=int, default=100, help="countdown")
+    ex.add_argument("--ops", default="+-*/", help="countdown")
+    ex.add_argument("--max-operand", type=int, default=20, help="arithmetic")
+    ex.add_argument("--draws", type=int, default=20_000, help="generator draws per split (the distinct ones are kept)")
+    ex.add_argument("--limit", type=int, default=None, help="at most this many rows per split")
+    ex.add_argument("--seed", type=int, default=0)
+    ex.set_defaults(func=_export_task)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -282,6 +320,44 @@ def _demo(args) -> int:
                           config_path=args.config, overrides=args.overrides, progress=not args.no_progress,
                           workers=args.workers)
     print(report.read_text())
+    return 0
+
+
+def _make_model(args) -> int:
+    from driftless.experiments.make_model import DEFAULT_LR, DEFAULT_STEPS, make_model, read_jsonl
+
+    if (args.data is None) != (args.eval_data is None):
+        raise ValueError("make-model: give both --data and --eval-data, or neither (the built-in Countdown rows)")
+    rows_train = read_jsonl(args.data) if args.data else None
+    rows_eval = read_jsonl(args.eval_data) if args.eval_data else None
+    info = make_model(args.dir, rows_train=rows_train, rows_eval=rows_eval, vocab_size=args.vocab_size,
+                      hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                      intermediate=args.intermediate, max_positions=args.max_positions,
+                      sft_steps=DEFAULT_STEPS if args.steps is None else args.steps,
+                      sft_batch=args.batch_size, lr=DEFAULT_LR if args.lr is None else args.lr,
+                      split_digits=not args.whole_numbers, seed=args.seed, force=args.force,
+                      progress=not args.no_progress)
+    print(json.dumps({k: v for k, v in info.items() if k != "settings"}))
+    print(f"checkpoint in {args.dir}: held-out greedy reward {info['eval_reward']:.3f}, {info['parameters']:,} "
+          f"parameters, vocabulary {info['vocab_size']}, built in {info['seconds']:.0f} s")
+    return 0
+
+
+def _export_task(args) -> int:
+    from pathlib import Path
+
+    from driftless.tasks import make_task
+    from driftless.tasks.export import task_rows, write_jsonl
+
+    if args.task == "countdown":
+        task = make_task("countdown", n_numbers=args.n_numbers, min_number=args.min_number,
+                         max_number=args.max_number, max_target=args.max_target, ops=args.ops)
+    else:
+        task = make_task("arithmetic", max_operand=args.max_operand)
+    for split in ("train", "eval"):
+        rows = task_rows(task, split, draws=args.draws, seed=args.seed, limit=args.limit)
+        path = write_jsonl(rows, Path(args.out_dir) / f"{split}.jsonl")
+        print(f"{split}: {len(rows)} rows -> {path}")
     return 0
 
 

@@ -40,12 +40,12 @@ def setup():
     return model.double(), batch
 
 
-def update(model, batch, preset, reduction, micro, epochs=1, minibatches=1):
+def update(model, batch, preset, reduction, micro, epochs=1, minibatches=1, ranks=None):
     policy = copy.deepcopy(model)
     params = {"reduction": reduction} if preset != "sc+tis" else {"reduction": reduction, "top_k": 8}
     learner = Learner(policy, make(preset, **params), make_optimizer(list(policy.parameters()), "sgd", 0.1),
                       grad_clip=0.0, head_k=8, decomposition=False, micro_batch_tokens=micro, ppo_epochs=epochs,
-                      minibatches=minibatches)
+                      minibatches=minibatches, ranks=ranks)
     metrics = learner.update(batch)
     step = {k: (policy.state_dict()[k] - model.state_dict()[k]) for k in model.state_dict()}
     return step, metrics

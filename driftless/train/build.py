@@ -23,6 +23,7 @@ from driftless.rollout.worker import RolloutSettings, RolloutWorker
 from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfig, FirstToken
 from driftless.train.config import RunConfig
 from driftless.train.learner import Learner, make_optimizer
+from driftless.train.ranks import Ranks
 
 
 def tokenizer(config: RunConfig | None = None):
@@ -189,7 +190,7 @@ def learner(config: RunConfig, state: dict) -> Learner:
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
                    schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
                    decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep(),
-                   micro_batch_tokens=t.micro_batch_tokens)
+                   micro_batch_tokens=t.micro_batch_tokens, ranks=Ranks.from_env(t.learner_ranks))
 
 
 def rollout_settings(config: RunConfig) -> RolloutSettings:

@@ -28,6 +28,7 @@ from driftless.diagnostics.evidence import age_diagnostics, eq1_decomposition, h
 from driftless.objectives.reductions import Totals
 from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
+from driftless.train.ranks import Ranks, shard_rows
 
 
 def micro_batches(lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
@@ -87,13 +88,15 @@ class Learner:
 
     def __init__(self, policy, objective, optimizer, *, grad_clip: float = 1.0, head_k: int | None = None,
                  ppo_epochs: int = 1, minibatches: int = 1, schedule: str = "constant", total_steps: int = 1,
-                 decomposition: bool = True, keep_versions: int = 0, micro_batch_tokens: int | None = None):
+                 decomposition: bool = True, keep_versions: int = 0, micro_batch_tokens: int | None = None,
+                 ranks: Ranks | None = None):
         for name, value in (("ppo_epochs", ppo_epochs), ("minibatches", minibatches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
         if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
             raise ValueError(f"train.micro_batch_tokens must be a positive integer or null, got {micro_batch_tokens!r}")
         self.micro_batch_tokens = micro_batch_tokens
+        self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.ranks)
         if not isinstance(keep_versions, int) or keep_versions < 0:
             raise ValueError(f"diagnostics.keep_versions must be an integer >= 0, got {keep_versions!r}")
         self.policy, self.objective, self.optimizer = policy, objective, optimizer
@@ -113,7 +116,7 @@ class Learner:
         t0 = time.perf_counter()
         self.policy.train()
         start_version = self.version
-        micro = self.micro_batch_tokens is not None
+        micro = self.micro_batch_tokens is not None or self.ranks.distributed
         if self.ppo_epochs * self.minibatches == 1 and micro:
             step, view = self._step_micro(batch, t0)  # π0 = p: each micro-batch's own detached log p
             batch = batch.replace(anchor_logp=view.logp)
@@ -230,7 +233,9 @@ class Learner:
         version_seen = self.version
         self.optimizer.zero_grad(set_to_none=True)
         pieces, skipped, t_objective = [], False, 0.0
-        for rows in micro_batches(batch.length, self.micro_batch_tokens):
+        mine = shard_rows(batch.length, self.ranks.world, self.ranks.rank)  # all rows on one rank
+        groups = [mine[g] for g in micro_batches(batch.length[mine], self.micro_batch_tokens)] if len(mine) else []
+        for rows in groups:
             sub = batch.select(rows)
             view = score_batch(self.policy, sub, head_k=self.head_k)
             if sub.anchor_logp is None:
@@ -246,11 +251,14 @@ class Learner:
             if skipped:
                 break
             loss.backward()
+        skipped = self.ranks.any(skipped)  # every rank steps, or none does
         if skipped:  # a non-finite loss: no step; the metrics' view is the whole batch's, scored again
             self.optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
                 whole = self._score(batch)
         else:
+            self.ranks.sum_gradients(p for p in self.policy.parameters() if p.requires_grad)
+            pieces = [piece for share in self.ranks.gather(pieces) for piece in share]
             whole = _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
         anchored = batch if batch.anchor_logp is not None else batch.replace(anchor_logp=whole.logp)
         metrics: dict = {}

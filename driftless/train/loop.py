@@ -24,6 +24,7 @@ from driftless.rollout import Snapshot
 from driftless.train import build, checkpoint
 from driftless.train.config import RunConfig, dump_config
 from driftless.train.evaluate import evaluate
+from driftless.train.ranks import Ranks
 from driftless.train.sinks import open_sinks
 from driftless.train.sources import drop_stale, make_source, queue_metrics
 from driftless.train.trace import TRACE_DIR, write_batch
@@ -46,6 +47,8 @@ class Run:
         check_prompts(self.task, self.text, self.eval_problems)  # refused with their rows before any weights load
         state, self.warm_info = build.initial_state(config, self.tokenizer, self.progress)  # once, here
         self.source = make_source(config, state)
+        self.ranks = getattr(self.learner, "ranks", None) or Ranks()  # a remote learner runs on one rank
+        self.primary = self.ranks.rank == 0  # learner rank 0 evaluates, logs and checkpoints
         self.step_index = 0  # completed steps
         self.reward_ema: float | None = None
         self.best_reward_ema = 0.0
@@ -71,6 +74,8 @@ class Run:
             raise RuntimeError(f"batch {delivery.step} arrived for step {s}: batches are consumed in step order")
         self.learner_wait_s += time.perf_counter() - t0
         consumed_at, version = time.time(), self.learner.version
+        if delivery.batch is not None:  # learner ranks each sample the whole batch: the same bits, checked
+            self.ranks.check_same(delivery.batch.tokens, "batches")
         batch, dropped = drop_stale(delivery.batch, version, self.source.bound)  # never silently used
         self.stale_rows_dropped += dropped
         if self.config.train.trace:
@@ -97,7 +102,8 @@ class Run:
                "collapsed": bool(self.best_reward_ema >= 0.1 and self.reward_ema < COLLAPSE_FRACTION * self.best_reward_ema)}
         self.step_index += 1
         metrics = {**learner, **rollout, **sources.get("queue", {}), **run}
-        if self.step_index % self.config.train.eval_every == 0 or self.step_index == self.config.train.steps:
+        if self.primary and (self.step_index % self.config.train.eval_every == 0
+                             or self.step_index == self.config.train.steps):
             t_eval = time.perf_counter()
             metrics.update(eval_reward=self._evaluate(), eval_s=time.perf_counter() - t_eval)
         metrics["step_time"] = time.perf_counter() - t0
@@ -131,9 +137,12 @@ class Run:
             return self._run(resume, overwrite)
         finally:
             self.source.close()
+            self.ranks.close()
 
     def _run(self, resume: bool, overwrite: bool) -> Path:
         cfg = self.config
+        if not self.primary:
+            return self._follow(resume)
         self.dir.mkdir(parents=True, exist_ok=True)
         latest = checkpoint.latest_checkpoint(self.dir)
         if resume and latest is not None:
@@ -176,6 +185,15 @@ class Run:
                     self.save_checkpoint()
         finally:
             sinks.close()
+        return self.dir
+
+    def _follow(self, resume: bool) -> Path:
+        """A learner rank other than 0: the same steps (its share of each update), nothing written."""
+        intact = checkpoint.newest_intact(self.dir) if resume and checkpoint.latest_checkpoint(self.dir) else None
+        if intact is not None:
+            self.load_checkpoint(*intact)
+        while self.step_index < self.config.train.steps:
+            self.step()
         return self.dir
 
     # ------------------------------------------------------------------ checkpoints
