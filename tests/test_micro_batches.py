@@ -108,3 +108,30 @@ def test_micro_batches_split_by_tokens():
     with pytest.raises(ValueError, match="train.micro_batch_tokens must be a positive integer"):
         Learner(TinyLM(TinyLMConfig(vocab_size=64, d_model=16, n_layer=1, n_head=1, n_kv_head=1, d_ff=16,
                                     max_seq_len=8)), make("pg"), None, micro_batch_tokens=0)
+
+
+def test_bf16_trains_with_float32_master_weights_and_log_probs(setup):
+    model, batch = setup
+    policy = copy.deepcopy(model).float()
+    optimizer = make_optimizer(list(policy.parameters()), "adamw", 1e-3)
+    learner = Learner(policy, make("sc+tis", top_k=8), optimizer, head_k=8, decomposition=False, precision="bf16")
+    view = learner._forward(policy, batch)
+    plain = copy.deepcopy(policy)
+    full = Learner(plain, make("pg"), make_optimizer(list(plain.parameters()), "sgd", 0.1), head_k=8)._forward(
+        policy, batch)
+    assert view.logp.dtype == torch.float32 and view.head_logp.dtype == torch.float32
+    gap = float((view.logp - full.logp)[batch.action_mask].abs().max())
+    assert 1e-4 < gap < 0.1  # bf16 products: near float32, not equal to it
+    metrics = learner.update(batch)
+    assert math.isfinite(metrics["loss"]) and learner.version == 1
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    assert all(v.dtype == torch.float32 for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.is_floating_point())
+    aligned = copy.deepcopy(policy)
+    aligned.execution = "aligned"
+    with pytest.raises(ValueError, match="aligned is float32 by construction"):
+        Learner(aligned, make("pg"), make_optimizer(list(aligned.parameters()), "sgd", 0.1), precision="bf16")
+    from driftless.train import load_config
+
+    with pytest.raises(ValueError, match="train.precision=bf16 with model.execution=aligned"):
+        load_config(None, ["train.precision=bf16", "model.execution=aligned"])

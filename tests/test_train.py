@@ -421,12 +421,13 @@ def test_the_schemas_choices_are_the_domains():
     from driftless.rollout.sampler import REFRESH_POLICIES
     from driftless.rollout.worker import ENGINES
     from driftless.train import config as c
+    from driftless.train.learner import PRECISIONS
     from driftless.train.sinks import LOGGERS
     from driftless.train.sources import SOURCES
 
     pairs = [(c.RewardMode, REWARD_MODES), (c.Estimator, ESTIMATORS), (c.TrainerNumerics, TRAINER_NUMERICS),
              (c.RefreshPolicy, REFRESH_POLICIES), (c.Engine, ENGINES), (c.LoggerName, LOGGERS),
-             (c.Runtime, tuple(SOURCES))]
+             (c.Runtime, tuple(SOURCES)), (typing.get_type_hints(c.TrainSection)["precision"], PRECISIONS)]
     for literal, domain in pairs:
         assert typing.get_args(literal) == tuple(domain)
     import subprocess

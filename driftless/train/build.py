@@ -190,7 +190,8 @@ def learner(config: RunConfig, state: dict) -> Learner:
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
                    schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
                    decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep(),
-                   micro_batch_tokens=t.micro_batch_tokens, ranks=Ranks.from_env(t.learner_ranks))
+                   micro_batch_tokens=t.micro_batch_tokens, ranks=Ranks.from_env(t.learner_ranks),
+                   precision=t.precision)
 
 
 def rollout_settings(config: RunConfig) -> RolloutSettings:

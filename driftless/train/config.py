@@ -267,6 +267,7 @@ class TrainSection(_Section):
     ppo_epochs: int = _positive(1)  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
     minibatches: int = _positive(1)  # optimizer steps per pass (rows split into contiguous minibatches)
     micro_batch_tokens: int | None = _at_least(None, 1)  # gradient accumulation: at most this many tokens a forward
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the learner's forward under autocast, float32 master weights
     learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.ranks)
     loggers: list[LoggerName] = field(default_factory=lambda: ["jsonl"])
     trace: bool = False  # record every consumed batch under RUN/trace/ (driftless replay)
@@ -345,6 +346,9 @@ def runtime_refusal(config: RunConfig) -> str | None:
         return f"rollout.workers={r.workers} needs rollout.runtime=process or ray (got {rt!r})"
     if r.ray_num_cpus is not None and rt != "ray":
         return f"rollout.ray_num_cpus={r.ray_num_cpus} sizes a local Ray cluster; it needs rollout.runtime=ray (got {rt!r})"
+    if config.train.precision == "bf16" and config.model.execution == "aligned":
+        return ("train.precision=bf16 with model.execution=aligned: aligned execution is float32 by construction "
+                "(its bits are the promise); use train.precision=fp32 or model.execution=fast")
     if config.train.learner_ranks > 1 and rt != "sync":
         return (f"train.learner_ranks={config.train.learner_ranks} runs under torchrun with rollout.runtime=sync "
                 f"(got {rt!r}); learner ranks as Ray actors are not built yet")

@@ -31,6 +31,9 @@ from driftless.rollout import RolloutBatch, Snapshot, score_batch
 from driftless.train.ranks import Ranks, shard_rows
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
 def micro_batches(lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
     """Consecutive row groups of at most ``budget`` tokens each (a row longer than it goes alone); None: one group."""
     n = int(lengths.shape[0])
@@ -89,13 +92,18 @@ class Learner:
     def __init__(self, policy, objective, optimizer, *, grad_clip: float = 1.0, head_k: int | None = None,
                  ppo_epochs: int = 1, minibatches: int = 1, schedule: str = "constant", total_steps: int = 1,
                  decomposition: bool = True, keep_versions: int = 0, micro_batch_tokens: int | None = None,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, precision: str = "fp32"):
         for name, value in (("ppo_epochs", ppo_epochs), ("minibatches", minibatches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
         if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
             raise ValueError(f"train.micro_batch_tokens must be a positive integer or null, got {micro_batch_tokens!r}")
         self.micro_batch_tokens = micro_batch_tokens
+        if precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "bf16" and getattr(policy, "execution", "fast") == "aligned":
+            raise ValueError("train.precision=bf16 with aligned execution: aligned is float32 by construction")
+        self.precision = precision
         self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.ranks)
         if not isinstance(keep_versions, int) or keep_versions < 0:
             raise ValueError(f"diagnostics.keep_versions must be an integer >= 0, got {keep_versions!r}")
@@ -123,7 +131,7 @@ class Learner:
             diagnostics = self._diagnostics(batch, view, start_version)
             steps = [step]
         elif self.ppo_epochs * self.minibatches == 1:
-            view = score_batch(self.policy, batch, head_k=self.head_k)
+            view = self._forward(self.policy, batch)
             batch = batch.replace(anchor_logp=view.logp.detach())
             diagnostics = self._diagnostics(batch, view, start_version)
             steps = [self._step(batch, view, t0)]
@@ -141,7 +149,7 @@ class Learner:
                     if micro:
                         steps.append(self._step_micro(sub, t)[0])
                     else:
-                        steps.append(self._step(sub, score_batch(self.policy, sub, head_k=self.head_k), t))
+                        steps.append(self._step(sub, self._forward(self.policy, sub), t))
         metrics = _combine(steps)
         mask = batch.action_mask
         ages = batch.token_ages(start_version)
@@ -198,7 +206,7 @@ class Learner:
             self._scorer = copy.deepcopy(self.policy)
         self._scorer.load_state_dict(self.versions[version])
         with torch.no_grad():
-            return score_batch(self._scorer, batch).logp
+            return self._forward(self._scorer, batch).logp
 
     def _step(self, batch: RolloutBatch, view, t0: float) -> dict:
         t_score = time.perf_counter()
@@ -217,11 +225,22 @@ class Learner:
         grad_norm = self._apply(metrics, skipped)
         return self._step_metrics(metrics, batch, view, version_seen, grad_norm, t0, t_score, t_loss)
 
+    def _forward(self, policy, batch: RolloutBatch) -> TokenLogprobs:
+        """The trainer's scoring forward; bf16: the model's matrix products in bfloat16 under autocast, the
+        weights, gradients and optimizer state float32, every log-probability float32."""
+        if self.precision == "fp32":
+            return score_batch(policy, batch, head_k=self.head_k)
+        device = next(policy.parameters()).device.type
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            view = score_batch(policy, batch, head_k=self.head_k)
+        return TokenLogprobs(view.logp.float(), None if view.head_logp is None else view.head_logp.float(),
+                             view.entropy.float())
+
     def _score(self, batch: RolloutBatch) -> TokenLogprobs:
         """The trainer's view of ``batch``, micro-batch by micro-batch when ``micro_batch_tokens`` is set."""
         if self.micro_batch_tokens is None:
-            return score_batch(self.policy, batch, head_k=self.head_k)
-        pieces = [(rows, score_batch(self.policy, batch.select(rows), head_k=self.head_k))
+            return self._forward(self.policy, batch)
+        pieces = [(rows, self._forward(self.policy, batch.select(rows)))
                   for rows in micro_batches(batch.length, self.micro_batch_tokens)]
         return _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
 
@@ -237,7 +256,7 @@ class Learner:
         groups = [mine[g] for g in micro_batches(batch.length[mine], self.micro_batch_tokens)] if len(mine) else []
         for rows in groups:
             sub = batch.select(rows)
-            view = score_batch(self.policy, sub, head_k=self.head_k)
+            view = self._forward(self.policy, sub)
             if sub.anchor_logp is None:
                 sub = sub.replace(anchor_logp=view.logp.detach())
             t = time.perf_counter()
