@@ -24,6 +24,11 @@ PRESETS = ["pg", "tis", "sc+tis", "gspo", "reinforce-zero"]
 
 @pytest.fixture(scope="module")
 def setup():
+    return mismatched_batch()
+
+
+def mismatched_batch():
+    """A float64 TinyLM and a batch sampled from a noisy float32 copy: uneven lengths, a real head."""
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=64, d_model=32, n_layer=1, n_head=2, n_kv_head=1, d_ff=64, max_seq_len=40))
     model.reset_parameters(seed=1)

@@ -17,8 +17,8 @@ from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows, write_jsonl
 from driftless.train import Run, build, load_config
 
-SMALL = dict(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=64,
-             sft_steps=30, sft_batch=16, progress=False)
+SMALL = {"vocab_size": 300, "hidden": 32, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate": 64,
+         "max_positions": 64, "sft_steps": 30, "sft_batch": 16, "progress": False}
 
 
 def length_reward(prompts, completions, **columns):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_micro_batches import PRESETS, relative, setup, update  # noqa: F401 - setup: the fixture
+from test_micro_batches import PRESETS, mismatched_batch, relative, update
 
 from driftless.objectives import REDUCTIONS
 from driftless.train.ranks import Ranks, shard_rows
@@ -37,14 +37,14 @@ def _rank_main(rank: int, world: int, init: str, model, batch, out: str):
     torch.save(results, f"{out}.{rank}")
 
 
-def test_two_gloo_ranks_give_the_one_process_update_for_every_reduction_and_preset(setup, tmp_path):
-    model, batch = setup
+def test_two_gloo_ranks_give_the_one_process_update_for_every_reduction_and_preset(tmp_path):
+    model, batch = mismatched_batch()
     out = str(tmp_path / "results")
     mp.spawn(_rank_main, args=(2, f"file://{tmp_path / 'pg'}", model, batch, out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     for (preset, reduction), (step, metrics) in ranks[0].items():
         whole_step, whole = update(model, batch, preset, reduction, None)
-        other_step, other = ranks[1][(preset, reduction)]
+        other_step, _ = ranks[1][(preset, reduction)]
         for k in step:
             assert torch.equal(step[k], other_step[k]), (preset, reduction, k)  # the ranks stay identical
         worst = max(relative(step[k], whole_step[k]) for k in step if whole_step[k].abs().max() > 0)
@@ -79,7 +79,7 @@ def _train(run_dir: Path, *extra, ranks: int = 1):
         cmd = [str(torchrun), "--nproc-per-node", str(ranks), "--master-port", "29517", *args]
     else:
         cmd = [sys.executable, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -30,7 +30,6 @@ from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
 from driftless.train.ranks import Ranks, shard_rows
 
-
 PRECISIONS = ("fp32", "bf16")
 
 
