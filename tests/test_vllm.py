@@ -253,6 +253,37 @@ def test_asynchronous_collection_with_the_vllm_engine_keeps_the_bound(tmp_path):
     assert all(m["logp_absdiff_max"] < TOL for m in lines if m["sampler_age_max"] == 0)
 
 
+def test_the_hf_config_with_the_vllm_engine_on_a_checkpoint_with_its_tokenizer(tmp_path):
+    """configs/hf.yaml with rollout.engine=vllm: the engine loads the checkpoint directory with its own tokenizer;
+    its q is the trainer's p at the same weights, and the tokenizer's end ids end the responses."""
+    from driftless.experiments.make_model import make_model
+    from driftless.tasks import Countdown, CountdownConfig
+    from driftless.tasks.export import task_rows, write_jsonl
+    from driftless.train import load_config
+    from driftless.train.loop import Run
+
+    task = Countdown(CountdownConfig(2, 1, 12, 100))
+    train_rows, held = task_rows(task, "train", draws=2000), task_rows(task, "eval", draws=2000)
+    write_jsonl(train_rows, tmp_path / "data/train.jsonl")
+    write_jsonl(held, tmp_path / "data/eval.jsonl")
+    make_model(tmp_path / "model", rows_train=train_rows, rows_eval=held, vocab_size=300, hidden=64, layers=1,
+               heads=1, kv_heads=1, intermediate=64, max_positions=64, sft_steps=40, sft_batch=16, progress=False)
+    path = Path(__file__).resolve().parents[1] / "configs" / "hf.yaml"
+    config = load_config(path, ["rollout.engine=vllm", f"model.hf_path={tmp_path / 'model'}",
+                                f"task.path={tmp_path / 'data/train.jsonl'}",
+                                f"task.eval_path={tmp_path / 'data/eval.jsonl'}", "train.steps=2", "train.eval_every=2",
+                                "train.eval_problems=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                                "rollout.max_new_tokens=12", "train.checkpoint_every=2", "train.progress=false"])
+    run = Run(config, tmp_path / "run", progress=False)
+    sampler = run.source.worker.sampler
+    assert sampler.model_dir == tmp_path / "model" and set(sampler.eos_ids) == {0, 2}
+    run.run()
+    lines = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1] and all(m["logp_absdiff_max"] < TOL for m in lines)
+    samples = [json.loads(x) for x in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    assert all(s["prompt"].startswith("<|im_start|>user\n") for s in samples)
+
+
 def test_a_dead_engine_fails_the_run_clearly_and_leaves_its_checkpoints(tmp_path):
     """Runs last: a real engine shutdown tears down vLLM's process-wide state for every engine."""
     from driftless.train import load_config

@@ -201,7 +201,8 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
                            head_k=r.head_k, seed=config.train.seed, refresh=r.refresh,
                            refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
-                           decode_latency=r.decode_latency, engine=r.engine, stop=tuple(r.stop))
+                           decode_latency=r.decode_latency, engine=r.engine, stop=tuple(r.stop),
+                           model_dir=config.model.hf_path if config.model.kind == "hf" else None)
 
 
 def worker(config: RunConfig, state: dict) -> RolloutWorker:

@@ -115,6 +115,7 @@ class Run:
         model saw them, with their responses, go to ``samples.jsonl``."""
         result = evaluate(self.policy, self.task, self.text, self.eval_problems,
                           max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL)
+        self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / SAMPLES_FILE, "a") as f:
             f.writelines(json.dumps({"step": self.step_index, **s}, ensure_ascii=False) + "\n" for s in result["samples"])
         self.last_eval = result["eval_reward"]
