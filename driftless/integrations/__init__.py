@@ -1,0 +1,1 @@
+"""driftless inside the frameworks users already run: ``driftless.integrations.trl`` (TRL's GRPO trainer)."""

@@ -1,0 +1,226 @@
+"""driftless's objectives inside TRL's GRPO trainer (``pip install 'driftless[trl]'``; tested with TRL 1.16.0).
+
+    from driftless.integrations.trl import DriftlessGRPOConfig, DriftlessGRPOTrainer
+
+    args = DriftlessGRPOConfig(output_dir="out", objective="sc+tis", objective_params={"top_k": 32}, head_k=32, ...)
+    trainer = DriftlessGRPOTrainer(model=..., reward_funcs=..., args=args, train_dataset=...)
+    trainer.train()
+
+The three lines that change in a TRL script: the two imports and ``objective=`` (any driftless preset,
+``driftless.objectives.PRESETS``, with its parameters).
+
+**The sampler's side** (generation with transformers, ``use_vllm=False``): the generation is asked for
+its processed scores (``output_scores``: the logits after the sampling transform actually applied,
+temperature then top-k then top-p), and log q of each generated token and the top-``head_k`` head
+(ids and log q) are read from those, under that very transform. The sampled tokens are never
+re-scored by the trainer and called q. With ``sampler_view`` (a driftless mismatch view such as
+``"noise:0.05"`` or ``"w8a8"``) generation runs on a copy of the model carrying that view, synced
+from the trainer before every generation: a mismatch injected on purpose, to measure it and its
+corrections inside TRL.
+
+**The trainer's side**: ``_compute_loss`` runs the model's own forward, takes log p at the sampled
+tokens and at the head ids under the same transform (driftless's memory-bounded extraction when the
+transform is a temperature only), and applies the objective, its reduction normalized over TRL's whole
+generation batch across processes and gradient-accumulation steps (tokens, responses and rows counted
+once per generation: ``Totals``). TRL's own vLLM importance-sampling correction is off (nothing is
+applied twice). The objective's metrics (ratio tails, KL, ESS, head masses, masked and truncated
+fractions) are logged under ``driftless/``.
+
+Not supported (refused by name at construction): ``use_vllm=True`` (TRL's vLLM path asks for
+``logprobs=0`` and cannot carry the head yet), ``beta != 0`` (use the preset's ``ref_kl_beta``),
+``repetition_penalty`` / ``min_p`` (a transform the trainer does not reproduce), and any TRL version
+outside the tested one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from driftless.objectives import make
+from driftless.objectives.reductions import Totals
+from driftless.ops.logprobs import extract_logprobs
+from driftless.rollout.sampling import SamplingParams, entropy_from_logprobs, sampling_logprobs
+
+TESTED_TRL = ("1.16.",)  # the TRL releases this module was tested against
+
+
+def _trl():
+    try:
+        import trl
+    except ImportError as err:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the TRL integration needs the 'trl' extra: pip install 'driftless[trl]'") from err
+    if not trl.__version__.startswith(TESTED_TRL):
+        raise ImportError(f"driftless.integrations.trl is tested with TRL {', '.join(v + '*' for v in TESTED_TRL)}; "
+                          f"found {trl.__version__}")
+    return trl
+
+
+_trl_module = _trl()
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402 - after the version check
+from trl.trainer.utils import pad  # noqa: E402
+
+
+@dataclass
+class DriftlessGRPOConfig(GRPOConfig):
+    objective: str = field(default="sc+tis", metadata={"help": "a driftless objective preset (docs/objectives.md)"})
+    objective_params: dict = field(default_factory=dict, metadata={"help": "the preset's parameters"})
+    head_k: int = field(default=32, metadata={"help": "top-k head of q recorded per generated token"})
+    sampler_view: str = field(default="none", metadata={"help": "a driftless mismatch view on the generating copy"})
+
+
+class DriftlessGRPOTrainer(GRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args")
+        if not isinstance(config, DriftlessGRPOConfig):
+            raise ValueError("DriftlessGRPOTrainer needs args=DriftlessGRPOConfig(...) (objective, head_k)")
+        objective = make(config.objective, **(config.objective_params or {}))  # unknown presets refused here
+        if config.use_vllm:
+            raise ValueError("DriftlessGRPOTrainer: use_vllm=True is not supported yet (TRL's vLLM path records only "
+                             "the sampled token's log q, not the head); use use_vllm=False")
+        if config.beta != 0:
+            raise ValueError(f"DriftlessGRPOTrainer: beta={config.beta} is TRL's reference KL, which the driftless "
+                             "loss does not apply; use objective_params={'ref_kl_beta': ...}")
+        if (config.repetition_penalty or 1.0) != 1.0 or config.min_p is not None:
+            raise ValueError("DriftlessGRPOTrainer: repetition_penalty / min_p change q in a way the trainer's log p "
+                             "does not reproduce; refused")
+        if config.head_k < 0:
+            raise ValueError(f"head_k must be >= 0, got {config.head_k}")
+        top_k, full = objective.head_spec
+        if objective.needs_head and (config.head_k == 0 or (top_k is not None and top_k > config.head_k)):
+            raise ValueError(f"objective {config.objective!r} reads {top_k or 'all'} head ids but head_k="
+                             f"{config.head_k}")
+        config.vllm_importance_sampling_correction = False  # driftless's objective is the correction
+        super().__init__(*args, **kwargs)
+        vocab = int(self.model.config.vocab_size)
+        if config.head_k > vocab:
+            raise ValueError(f"head_k={config.head_k} is larger than the vocabulary ({vocab})")
+        self.objective = objective
+        self.sampling = SamplingParams(temperature=config.temperature, top_k=config.top_k or 0,
+                                       top_p=config.top_p if config.top_p is not None else 1.0)
+        self._pending_head: list | None = None
+        self._sampler_model = None
+        if config.sampler_view != "none":
+            from driftless.mismatch import parse_view
+
+            self._view = parse_view(config.sampler_view)
+        else:
+            self._view = None
+
+    # ------------------------------------------------------------------ the sampler's side
+    def _generating_model(self, unwrapped):
+        if self._view is None:
+            return unwrapped
+        if self._sampler_model is None:  # built from the config: TRL patches the trainer model's forward in place
+            from transformers import AutoModelForCausalLM
+
+            self._sampler_model = AutoModelForCausalLM.from_config(copy.deepcopy(unwrapped.config)).to(
+                device=unwrapped.device, dtype=next(unwrapped.parameters()).dtype)
+            self._sampler_model.generation_config = copy.deepcopy(unwrapped.generation_config)
+        with torch.no_grad():
+            self._sampler_model.load_state_dict(unwrapped.state_dict())
+            self._view.apply(self._sampler_model)
+        self._sampler_model.eval()
+        return self._sampler_model
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False) or multimodal_fields:
+            raise ValueError("DriftlessGRPOTrainer records q from transformers generation of text only")
+        from trl.models import unwrap_model_for_generation
+
+        device = self.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
+        attention = pad([torch.ones_like(t) for t in prompts], padding_value=0, padding_side="left").to(device)
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                         generation_kwargs=self.generation_kwargs) as unwrapped, torch.no_grad():
+            out = self._generating_model(unwrapped).generate(
+                input_ids=input_ids, attention_mask=attention, generation_config=self.generation_config,
+                return_dict_in_generate=True, output_scores=True)
+        completion = out.sequences[:, input_ids.shape[1]:]  # [B, T]
+        logq = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # q under the transform applied: [B, T, V]
+        token_logq = logq.gather(-1, completion[..., None]).squeeze(-1)
+        k = min(self.args.head_k, logq.shape[-1])
+        head = logq.topk(k, dim=-1) if k else None
+        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=device))
+        full = torch.full_like(completion[:, 0], completion.shape[1])
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, full)
+        ids = [c[:n].tolist() for c, n in zip(completion.cpu(), lengths.cpu())]
+        logprobs = [lq[:n].tolist() for lq, n in zip(token_logq.cpu(), lengths.cpu())]
+        self._pending_head = None if head is None else [(head.indices[i, :n], head.values[i, :n])
+                                                        for i, n in enumerate(lengths.tolist())]
+        return ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        mask = out["completion_mask"].bool()
+        t = out["completion_ids"].shape[1]
+        if self._pending_head is not None:
+            def padded(index, fill):
+                return torch.stack([torch.nn.functional.pad(h[index], (0, 0, 0, t - h[index].shape[0]), value=fill)
+                                    for h in self._pending_head])
+            out["sampler_topk_ids"], out["sampler_topk_logp"] = padded(0, 0), padded(1, 0.0)
+            self._pending_head = None
+        # the whole generation batch's denominators, across processes (0-d tensors pass TRL's buffering as is)
+        counts = torch.tensor([float(mask.sum()), float(mask.any(1).sum()), float(mask.shape[0])],
+                              device=mask.device)
+        totals = self.accelerator.gather(counts[None]).sum(0)
+        for i, name in enumerate(("tokens", "responses", "rows")):
+            out[f"driftless_{name}"] = totals[i]
+        return out
+
+    # ------------------------------------------------------------------ the trainer's side
+    def _trainer_view(self, model, inputs):
+        prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+        ids = torch.cat([prompt, completion], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        t = completion.shape[1]
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -t - 1:-1]  # position j scores token j
+        head_ids = inputs.get("sampler_topk_ids")
+        s = self.sampling
+        if s.top_k == 0 and s.top_p == 1.0:
+            scaled = logits if s.temperature == 1.0 else logits / s.temperature
+            return extract_logprobs(scaled, completion, head_ids)
+        logp_all = sampling_logprobs(logits.float(), s)
+        from driftless.ops.logprobs import TokenLogprobs
+
+        return TokenLogprobs(logp=logp_all.gather(-1, completion[..., None]).squeeze(-1),
+                             head_logp=None if head_ids is None else logp_all.gather(-1, head_ids),
+                             entropy=entropy_from_logprobs(logp_all))
+
+    def _totals(self, inputs, mode: str) -> Totals:
+        """This optimizer step's share of the generation batch's denominators (exact when
+        steps_per_generation equals gradient_accumulation_steps, TRL's default), divided by the processes:
+        data parallelism averages their gradients, so each process's loss is P times its share."""
+        tokens, responses, rows = (float(inputs[f"driftless_{n}"]) for n in ("tokens", "responses", "rows"))
+        share = 1.0
+        if mode == "train":
+            share = self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        procs = self.accelerator.num_processes
+        return Totals(tokens * share / procs, responses * share / procs, rows * share / procs,
+                      self.args.max_completion_length)
+
+    def driftless_batch(self, inputs) -> dict:
+        """The objective's batch fields from TRL's inputs (what the loss reads; public for tests)."""
+        mask = inputs["completion_mask"].bool()
+        if "sampling_per_token_logps" not in inputs:
+            raise ValueError("the batch has no sampler log-probs (sampling_per_token_logps): the objective needs q")
+        batch = {"sampler_logp": torch.where(mask, inputs["sampling_per_token_logps"], 0.0), "action_mask": mask,
+                 "advantage": inputs["advantages"]}
+        if inputs.get("old_per_token_logps") is not None:
+            batch["anchor_logp"] = torch.where(mask, inputs["old_per_token_logps"], 0.0)
+        if "sampler_topk_logp" in inputs:
+            batch["sampler_topk_logp"] = inputs["sampler_topk_logp"]
+        return batch
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        view = self._trainer_view(model, inputs)
+        batch = self.driftless_batch(inputs)
+        loss, metrics = self.objective(view, batch, totals=self._totals(inputs, mode))
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self._metrics[mode][f"driftless/{name}"].append(float(value))
+        return loss
