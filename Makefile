@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,hf,trl]"
+	$(PY) -m pip install -q -e ".[dev,hf,trl,verl]"
+	# verl's algorithm modules without its engines (its transformers pin conflicts with TRL's): docs/integrations.md
+	$(PY) -m pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 install: $(STAMP)

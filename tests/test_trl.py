@@ -7,12 +7,12 @@ import torch
 
 pytest.importorskip("trl")
 
-from datasets import Dataset  # noqa: E402
+from datasets import Dataset
 
-from driftless.experiments.make_model import make_model  # noqa: E402
-from driftless.objectives import make  # noqa: E402
-from driftless.tasks import Countdown, CountdownConfig  # noqa: E402
-from driftless.tasks.export import task_rows  # noqa: E402
+from driftless.experiments.make_model import make_model
+from driftless.objectives import make
+from driftless.tasks import Countdown, CountdownConfig
+from driftless.tasks.export import task_rows
 
 
 @pytest.fixture(scope="module")

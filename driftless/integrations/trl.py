@@ -59,8 +59,8 @@ def _trl():
 
 
 _trl_module = _trl()
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402 - after the version check
-from trl.trainer.utils import pad  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import pad
 
 
 @dataclass
@@ -88,7 +88,7 @@ class DriftlessGRPOTrainer(GRPOTrainer):
                              "does not reproduce; refused")
         if config.head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {config.head_k}")
-        top_k, full = objective.head_spec
+        top_k, needs_full = objective.head_spec
         if objective.needs_head and (config.head_k == 0 or (top_k is not None and top_k > config.head_k)):
             raise ValueError(f"objective {config.objective!r} reads {top_k or 'all'} head ids but head_k="
                              f"{config.head_k}")
@@ -97,6 +97,9 @@ class DriftlessGRPOTrainer(GRPOTrainer):
         vocab = int(self.model.config.vocab_size)
         if config.head_k > vocab:
             raise ValueError(f"head_k={config.head_k} is larger than the vocabulary ({vocab})")
+        if needs_full and config.head_k < vocab:
+            raise ValueError(f"objective {config.objective!r} centers over all of q's support: it needs head_k = the "
+                             f"vocabulary ({vocab}), got {config.head_k}; or give objective_params={{'top_k': k}}")
         self.objective = objective
         self.sampling = SamplingParams(temperature=config.temperature, top_k=config.top_k or 0,
                                        top_p=config.top_p if config.top_p is not None else 1.0)
