@@ -177,10 +177,11 @@ def test_codec_renders_messages_without_a_template_and_refuses_long_prompts():
     codec = TextCodec(CharTokenizer(), system_prompt="1=1", context=12, max_new_tokens=4)
     assert codec.render([{"role": "user", "content": "2+3="}]) == "1=1\n2+3="
     assert codec.encode("2+3=") == CharTokenizer().encode("2+3=")
-    with pytest.raises(ValueError, match=r"row 4: 9 prompt tokens \+ rollout.max_new_tokens=4 exceed the context of 12"):
-        codec.encode("12345678", where="row 4")
-    cut = TextCodec(CharTokenizer(), context=12, max_new_tokens=4, truncate=True).encode("12345678")
-    assert cut == CharTokenizer().encode("12345678")[1:]  # left-truncated: the prompt's end is kept
+    assert len(codec.encode("1234567890")) == 11  # fits: the response is cut by the context
+    with pytest.raises(ValueError, match=r"row 4: 12 prompt tokens leave no room to generate in the context of 12"):
+        codec.encode("12345678901", where="row 4")
+    cut = TextCodec(CharTokenizer(), context=12, max_new_tokens=4, truncate=True).encode("12345678901")
+    assert cut == CharTokenizer().encode("12345678901")[4:]  # left-truncated to 8, room for 4: the end is kept
 
 
 def test_several_eos_ids_end_responses_and_stop_strings_cut_them():
@@ -288,7 +289,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_with_its_row_or_truncated(
     write_jsonl(tmp_path / "train.jsonl", rows)
     cfg = data_config(tmp_path, "task.reward=exact")
     write_jsonl(tmp_path / "train.jsonl", rows)
-    with pytest.raises(ValueError, match=r"train.jsonl row 11: 31 prompt tokens \+ rollout.max_new_tokens=4 exceed"):
+    with pytest.raises(ValueError, match=r"train.jsonl row 11: 31 prompt tokens leave no room to generate"):
         Run(cfg, tmp_path / "run")
     Run(load_config(None, [*_overrides(cfg), "task.truncate_prompts=true"]), tmp_path / "run")
 

@@ -113,7 +113,7 @@ def test_a_checkpoint_without_a_tokenizer_and_a_context_too_long_are_refused(bro
         Run(config((bare, brought[1])), tmp_path / "a")
     with pytest.raises(ValueError, match=r"model.max_seq_len=65 exceeds the checkpoint's context"):
         Run(config(brought, "model.max_seq_len=65"), tmp_path / "b")
-    with pytest.raises(ValueError, match=r"row \d+: \d+ prompt tokens \+ rollout.max_new_tokens=60 exceed"):
-        Run(config(brought, "rollout.max_new_tokens=60"), tmp_path / "c")
+    with pytest.raises(ValueError, match=r"row \d+: \d+ prompt tokens leave no room to generate in the context of 8"):
+        Run(config(brought, "model.max_seq_len=8", "rollout.max_new_tokens=4"), tmp_path / "c")
     with pytest.raises(ValueError, match="task.name=dataset with model.kind=hf needs model.hf_path"):
         Run(config(brought, "model.hf_path=null"), tmp_path / "d")

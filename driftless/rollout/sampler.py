@@ -48,6 +48,15 @@ class Sampler:
 
     ``version``: the weight version ``policy`` already holds (None: call ``load`` first)."""
 
+    @property
+    def eos_id(self) -> int | None:
+        """The first end-of-sequence id (None: responses run to the budget); ``eos_ids`` holds them all."""
+        return self.eos_ids[0] if self.eos_ids else None
+
+    @eos_id.setter
+    def eos_id(self, value) -> None:
+        self.eos_ids = eos_ids(value)
+
     def __init__(self, policy, *, head_k: int = 32, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, view=None,
                  version: int | None = None, decode_latency: float = 0.0):
         if head_k < 0:
@@ -57,8 +66,7 @@ class Sampler:
         self.decode_latency = decode_latency  # seconds slept per decode step: a slower (larger) model's token time
         self.policy = policy
         self.head_k = head_k
-        self.eos_ids = eos_ids(eos_id)  # every id that ends a response (a checkpoint may have several)
-        self.eos_id = self.eos_ids[0] if self.eos_ids else None
+        self.eos_id = eos_id  # every id that ends a response (a checkpoint may have several): self.eos_ids
         self.pad_id = pad_id
         self.view = view  # a mismatch view applied at every load (driftless.mismatch)
         self.version: int | None = version

@@ -3,9 +3,10 @@
 ``TextCodec`` holds the model's tokenizer (the checkpoint's own, or TinyLM's characters) and
 how prompts are rendered: chat messages go through the tokenizer's chat template
 (``task.chat_template: auto`` uses it when the tokenizer has one; ``none`` never), with
-``task.system_prompt`` put first; a string prompt is used as it is. Prompts that do not fit the
-context with ``max_new_tokens`` of room are refused with their row, or left-truncated (the
-generation prompt at the end is kept) when ``truncate`` is set.
+``task.system_prompt`` put first; a string prompt is used as it is. A prompt that leaves no room
+to generate in the context is refused with its row, or left-truncated to leave ``max_new_tokens``
+of room (the generation prompt at the end is kept) when ``truncate`` is set; a response longer
+than the room left is cut by the context, as the sampler always does.
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ class TextCodec:
         return self.tokenizer.render_chat(messages) if self.templated else plain_text(messages)
 
     def encode(self, prompt, where: str = "prompt") -> list[int]:
-        """Token ids of ``prompt``; a prompt without room for ``max_new_tokens`` is refused naming ``where``."""
+        """Token ids of ``prompt``; a prompt that fills the context is refused naming ``where``."""
         templated = self.templated and not isinstance(prompt, str)
         ids = self.tokenizer.encode(self.render(prompt), bos=not templated)  # a template carries its own specials
-        if self.context is not None and len(ids) + self.max_new_tokens > self.context:
-            room = self.context - self.max_new_tokens
+        if self.context is not None and len(ids) >= self.context:
             if not self.truncate:
-                raise ValueError(f"{where}: {len(ids)} prompt tokens + rollout.max_new_tokens={self.max_new_tokens} "
-                                 f"exceed the context of {self.context} (model.max_seq_len); raise it, shorten the "
-                                 "prompt, or set task.truncate_prompts=true")
+                raise ValueError(f"{where}: {len(ids)} prompt tokens leave no room to generate in the context of "
+                                 f"{self.context} (model.max_seq_len); raise it, shorten the prompt, or set "
+                                 "task.truncate_prompts=true")
+            room = max(self.context - self.max_new_tokens, 1)  # keep room for the response where there is some
             ids = ids[len(ids) - room:]
         return ids
 

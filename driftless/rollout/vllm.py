@@ -113,6 +113,15 @@ class VLLMSampler:
     ``sampling_kwargs``: further ``vllm.SamplingParams`` fields, refused when they change q.
     """
 
+    @property
+    def eos_id(self) -> int | None:
+        """The first end-of-sequence id (None: responses run to the budget); ``eos_ids`` holds them all."""
+        return self.eos_ids[0] if self.eos_ids else None
+
+    @eos_id.setter
+    def eos_id(self, value) -> None:
+        self.eos_ids = eos_ids(value)
+
     def __init__(self, policy, *, head_k: int = 32, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0,
                  view=None,
                  model_dir: str | Path | None = None, tokenizer: bool = False, device: str = "cpu",
@@ -142,8 +151,7 @@ class VLLMSampler:
         if refused is not None:
             raise ValueError(refused)
         self.policy, self.head_k, self.pad_id, self.view = policy, head_k, pad_id, view
-        self.eos_ids = eos_ids(eos_id)  # every id that ends a response
-        self.eos_id = self.eos_ids[0] if self.eos_ids else None
+        self.eos_id = eos_id  # every id that ends a response (a checkpoint may have several): self.eos_ids
         self.sampling_kwargs = sampling_kwargs
         self.version: int | None = None
         self._owned_dir = None
