@@ -174,8 +174,13 @@ def test_a_failing_reward_names_the_row(tmp_path, reward, match):
 
 # ---------------------------------------------------------------- the text interface
 def test_codec_renders_messages_without_a_template_and_refuses_long_prompts():
-    codec = TextCodec(CharTokenizer(), system_prompt="1=1", context=12, max_new_tokens=4)
-    assert codec.render([{"role": "user", "content": "2+3="}]) == "1=1\n2+3="
+    system = TextCodec(CharTokenizer(), system_prompt="1=1", context=12, max_new_tokens=4)
+    assert system.render([{"role": "user", "content": "2+3="}]) == "1=1\n2+3="
+    with pytest.raises(ValueError, match="row 2: task.system_prompt applies to chat-message prompts"):
+        system.encode("2+3=", where="row 2")
+    with pytest.raises(ValueError, match=r"row 3: characters not in the tokenizer: .*'x'"):
+        system.encode([{"role": "user", "content": "x"}], where="row 3")
+    codec = TextCodec(CharTokenizer(), context=12, max_new_tokens=4)
     assert codec.encode("2+3=") == CharTokenizer().encode("2+3=")
     assert len(codec.encode("1234567890")) == 11  # fits: the response is cut by the context
     with pytest.raises(ValueError, match=r"row 4: 12 prompt tokens leave no room to generate in the context of 12"):

@@ -35,6 +35,7 @@ outside the tested one.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -71,11 +72,29 @@ class DriftlessGRPOConfig(GRPOConfig):
     sampler_view: str = field(default="none", metadata={"help": "a driftless mismatch view on the generating copy"})
 
 
+# TRL settings of its own loss that the driftless objective replaces: refused unless left at TRL's default
+_TRL_LOSS_SETTINGS = ("loss_type", "epsilon", "epsilon_high", "delta", "top_entropy_quantile", "entropy_coef",
+                      "off_policy_mask_threshold", "importance_sampling_level", "use_liger_kernel")
+
+
 class DriftlessGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args")
         if not isinstance(config, DriftlessGRPOConfig):
             raise ValueError("DriftlessGRPOTrainer needs args=DriftlessGRPOConfig(...) (objective, head_k)")
+        for name in ("tools", "environment_factory", "rollout_func"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"DriftlessGRPOTrainer: {name}= is not supported yet (multi-turn tool calls regenerate "
+                                 "rows and mask tool tokens; the recorded head would not follow them)")
+        fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+        for name in _TRL_LOSS_SETTINGS:
+            f = fields.get(name)
+            if f is not None and f.default is not dataclasses.MISSING and getattr(config, name) != f.default:
+                raise ValueError(f"DriftlessGRPOTrainer: {name}={getattr(config, name)!r} configures TRL's own loss, "
+                                 f"which the driftless objective replaces; set the objective's parameters instead")
+        if config.generation_kwargs:
+            raise ValueError(f"DriftlessGRPOTrainer: generation_kwargs={config.generation_kwargs!r} may change q "
+                             "beyond temperature / top-k / top-p, which the trainer would not reproduce; refused")
         objective = make(config.objective, **(config.objective_params or {}))  # unknown presets refused here
         if config.use_vllm:
             raise ValueError("DriftlessGRPOTrainer: use_vllm=True is not supported yet (TRL's vLLM path records only "
@@ -88,6 +107,12 @@ class DriftlessGRPOTrainer(GRPOTrainer):
                              "does not reproduce; refused")
         if config.head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {config.head_k}")
+        truncated = bool(config.top_k) or (config.top_p is not None and config.top_p < 1.0)
+        if truncated and (config.num_iterations > 1 or (config.steps_per_generation or 1)
+                          != config.gradient_accumulation_steps):
+            raise ValueError("DriftlessGRPOTrainer: top_k / top_p with a reused generation (num_iterations > 1 or "
+                             "steps_per_generation != gradient_accumulation_steps): TRL computes the anchor π0 under "
+                             "temperature only, not the transform; refused")
         top_k, needs_full = objective.head_spec
         if objective.needs_head and (config.head_k == 0 or (top_k is not None and top_k > config.head_k)):
             raise ValueError(f"objective {config.objective!r} reads {top_k or 'all'} head ids but head_k="
@@ -137,8 +162,11 @@ class DriftlessGRPOTrainer(GRPOTrainer):
         prompts = [torch.tensor(ids) for ids in prompt_ids]
         input_ids = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         attention = pad([torch.ones_like(t) for t in prompts], padding_value=0, padding_side="left").to(device)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                         generation_kwargs=self.generation_kwargs) as unwrapped, torch.no_grad():
+        with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                          generation_kwargs=self.generation_kwargs,
+                                          gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+              as unwrapped, torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False)):
             out = self._generating_model(unwrapped).generate(
                 input_ids=input_ids, attention_mask=attention, generation_config=self.generation_config,
                 return_dict_in_generate=True, output_scores=True)

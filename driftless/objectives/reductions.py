@@ -72,10 +72,10 @@ def _share(masked: torch.Tensor, m: torch.Tensor, mode: str, totals: Totals) -> 
     if mode == "token-sum":
         return masked.sum()
     if mode == "token-mean":
-        return masked.sum() / max(totals.tokens, 1)
+        return masked.sum() / (totals.tokens or 1)  # a share of a process may be fractional: only 0 is guarded
     if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (max(totals.rows, 1) * totals.horizon)
+        return masked.sum() / ((totals.rows or 1) * totals.horizon)
     per_row = masked.sum(-1)
     if mode == "seq-mean-token-mean":
         per_row = per_row / m.sum(-1).clamp(min=1)
-    return per_row.sum() / max(totals.responses, 1)  # an empty row's sum is 0: it adds nothing
+    return per_row.sum() / (totals.responses or 1)  # an empty row's sum is 0: it adds nothing

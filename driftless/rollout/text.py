@@ -31,6 +31,8 @@ class TextCodec:
     def render(self, prompt) -> str:
         """The prompt's text as the model receives it (chat template applied)."""
         if isinstance(prompt, str):
+            if self.system_prompt:
+                raise ValueError("task.system_prompt applies to chat-message prompts; this prompt is a string")
             return prompt
         messages = list(prompt)
         if self.system_prompt and messages[0]["role"] != "system":
@@ -40,7 +42,10 @@ class TextCodec:
     def encode(self, prompt, where: str = "prompt") -> list[int]:
         """Token ids of ``prompt``; a prompt that fills the context is refused naming ``where``."""
         templated = self.templated and not isinstance(prompt, str)
-        ids = self.tokenizer.encode(self.render(prompt), bos=not templated)  # a template carries its own specials
+        try:
+            ids = self.tokenizer.encode(self.render(prompt), bos=not templated)  # a template carries its own specials
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
         if self.context is not None and len(ids) >= self.context:
             if not self.truncate:
                 raise ValueError(f"{where}: {len(ids)} prompt tokens leave no room to generate in the context of "

@@ -31,6 +31,7 @@ from driftless.tasks import rewards as reward_fns
 from driftless.tasks.prompts import check_prompt
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+RESERVED = {"prompts", "completions", "answer_key"}  # the keywords a reward is called with
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ def read_rows(path: str | Path, prompt_key: str, *, required: tuple[str, ...] = 
         for key in (prompt_key, *required, *([completion_key] if completion_key else [])):
             if key not in record or record[key] is None:
                 raise ValueError(f"{where}: no column {key!r} (columns: {', '.join(sorted(record))})")
+        clash = sorted(set(record) & RESERVED - {prompt_key})
+        if clash:
+            raise ValueError(f"{where}: column {clash[0]!r} clashes with a reward argument of that name "
+                             f"({', '.join(sorted(RESERVED))}); rename it")
         prompt = check_prompt(record[prompt_key], f"{where} column {prompt_key!r}")
         columns = {k: v for k, v in record.items() if k != prompt_key}
         rows.append(Row(prompt, columns, str(path), i, completion_key))

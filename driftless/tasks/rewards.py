@@ -95,7 +95,10 @@ def load(spec: str):
             path = Path(module_name)
             if not path.exists():
                 raise ValueError(f"reward {spec!r}: file {module_name} does not exist")
-            name = f"driftless_reward_{path.stem}"
+            import hashlib
+
+            digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+            name = f"driftless_reward_{path.stem}_{digest}"  # two files with one name are two modules
             module = sys.modules.get(name)
             if module is None:
                 module_spec = importlib.util.spec_from_file_location(name, path)

@@ -8,6 +8,7 @@ import torch
 
 from driftless.models.protocols import SupportsNumerics
 from driftless.rollout import RolloutEngine, Sampler, SamplingParams
+from driftless.rollout.text import stop_lengths
 from driftless.rollout.worker import score_completions
 
 
@@ -25,18 +26,21 @@ def clean_sampler(policy, text) -> Sampler:
 
 @torch.no_grad()
 def evaluate(policy, task, text, problems, *, max_new_tokens: int, params: SamplingParams | None = None,
-             batch_size: int = 256, seed: int = 0, engine: RolloutEngine | None = None, samples: int = 0) -> dict:
+             batch_size: int = 256, seed: int = 0, engine: RolloutEngine | None = None, samples: int = 0,
+             stop: tuple[str, ...] = ()) -> dict:
     """Mean reward on ``problems`` (greedy by default), sampled by ``engine`` (default: a clean copy of ``policy``).
 
     ``text``: the model's text interface (a TextCodec or a tokenizer). ``samples``: also return the first
     ``samples`` prompts as the model saw them (special tokens and chat template included) with their
-    decoded responses and rewards, under "samples"."""
+    decoded responses and rewards, under "samples". ``stop``: stop strings cut responses as in training."""
     params = params or SamplingParams(greedy=True)
     engine = engine or clean_sampler(policy, text)
     rewards, lengths, shown = [], [], []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
         batch = engine.generate(encode_prompts(text, chunk), params, max_new_tokens, seed=seed + start)
+        if stop:
+            batch = batch.shorten(stop_lengths(batch, text, stop))
         completions = [text.decode(c) for c in batch.completions()]
         scores = score_completions(task, chunk, completions)[0].tolist()
         rewards.extend(scores)

@@ -34,17 +34,18 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def micro_batches(lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
-    """Consecutive row groups of at most ``budget`` tokens each (a row longer than it goes alone); None: one group."""
+    """Consecutive row groups of at most ``budget`` padded tokens each (rows × the group's longest row; a row longer
+    than the budget goes alone); None: one group."""
     n = int(lengths.shape[0])
     if budget is None:
         return [torch.arange(n)]
-    groups, current, used = [], [], 0
-    for row, length in enumerate(lengths.tolist()):
-        if current and used + length > budget:
+    groups, current, widest = [], [], 0
+    for row, length in enumerate(lengths.tolist()):  # a micro-batch is padded to its longest row: budget that
+        if current and (len(current) + 1) * max(widest, length) > budget:
             groups.append(torch.tensor(current))
-            current, used = [], 0
+            current, widest = [], 0
         current.append(row)
-        used += length
+        widest = max(widest, length)
     if current:
         groups.append(torch.tensor(current))
     return groups

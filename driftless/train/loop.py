@@ -78,7 +78,7 @@ class Run:
             self.ranks.check_same(delivery.batch.tokens, "batches")
         batch, dropped = drop_stale(delivery.batch, version, self.source.bound)  # never silently used
         self.stale_rows_dropped += dropped
-        if self.config.train.trace:
+        if self.config.train.trace and self.primary:
             write_batch(self.dir, s, batch, prompts=self._prompt_texts(batch))
         if batch is not None:
             learner = self.learner.update(batch)
@@ -114,7 +114,8 @@ class Run:
         """Held-out greedy reward of the learner's policy (kept as ``last_eval``); a few of its prompts as the
         model saw them, with their responses, go to ``samples.jsonl``."""
         result = evaluate(self.policy, self.task, self.text, self.eval_problems,
-                          max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL)
+                          max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL,
+                          stop=tuple(self.config.rollout.stop))
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / SAMPLES_FILE, "a") as f:
             f.writelines(json.dumps({"step": self.step_index, **s}, ensure_ascii=False) + "\n" for s in result["samples"])
@@ -140,24 +141,32 @@ class Run:
             self.source.close()
             self.ranks.close()
 
+    def _refusal(self, resume: bool, overwrite: bool) -> str | None:
+        """Why this run directory cannot start as asked (None: it can); decided by rank 0 for every rank."""
+        latest = checkpoint.latest_checkpoint(self.dir)
+        if resume and latest is not None and checkpoint.newest_intact(self.dir) is None:
+            return f"{self.dir} holds no intact checkpoint (each failed its checksums); pass --overwrite to start over"
+        if not resume and latest is not None and not overwrite:
+            return (f"{self.dir} already holds a run: pass --resume to continue it, --overwrite to replace it, or "
+                    "choose another run directory")
+        return None
+
     def _run(self, resume: bool, overwrite: bool) -> Path:
         cfg = self.config
+        refusal = self._refusal(resume, overwrite) if self.primary else None
+        refusal = next((r for r in self.ranks.gather(refusal) if r), None)  # every rank stops, not only rank 0
+        if refusal:
+            raise ValueError(refusal)
         if not self.primary:
             return self._follow(resume)
         self.dir.mkdir(parents=True, exist_ok=True)
         latest = checkpoint.latest_checkpoint(self.dir)
         if resume and latest is not None:
             intact = checkpoint.newest_intact(self.dir)
-            if intact is None:
-                raise ValueError(f"{self.dir} holds no intact checkpoint (each failed its checksums); pass "
-                                 "--overwrite to start the run over")
             self.load_checkpoint(*intact)
             _truncate_metrics(self.dir / "metrics.jsonl", self.step_index)
             _truncate_metrics(self.dir / SAMPLES_FILE, self.step_index + 1)  # samples are keyed by steps done
         else:
-            if latest is not None and not overwrite:
-                raise ValueError(f"{self.dir} already holds a run: pass --resume to continue it, --overwrite to "
-                                 "replace it, or choose another run directory")
             checkpoint.clear_checkpoints(self.dir)
             shutil.rmtree(self.dir / TRACE_DIR, ignore_errors=True)  # a trace is of one run only
             (self.dir / "metrics.jsonl").unlink(missing_ok=True)

@@ -71,9 +71,13 @@ class Ranks:
         if not self.distributed:
             return
         params = list(params)
+        present = self.sum_(torch.tensor([float(p.grad is not None) for p in params]))
+        params = [p for p, n in zip(params, present.tolist()) if n > 0]  # untouched on every rank: left as None
         for p in params:
-            if p.grad is None:
+            if p.grad is None:  # this rank had no rows for it: a zero share
                 p.grad = torch.zeros_like(p)
+        if not params:
+            return
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         self.sum_(flat)
         offset = 0

@@ -25,5 +25,5 @@ def evaluate_run(run_dir, problems: int | None = None) -> dict:
     policy = build.policy(config, load_checkpoint(ckpt, weights_only=True, verified=verified)["model"], tokenizer)
     task = build.task(config)
     result = evaluate(policy, task, build.codec(config, tokenizer), task.eval_set(problems or config.train.eval_problems),
-                      max_new_tokens=config.rollout.max_new_tokens)
+                      max_new_tokens=config.rollout.max_new_tokens, stop=tuple(config.rollout.stop))
     return {"run": str(run_dir), "checkpoint": ckpt.name, **result}
