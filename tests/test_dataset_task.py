@@ -305,7 +305,7 @@ def _overrides(cfg):
             "task.answer_key=answer", "task.reward=exact"]
 
 
-def test_torch_is_untouched_by_reward_tensors():
+def test_builtin_task_rewards_stay_float32():
     """Rewards arrive as Python floats; the worker's reward tensor is float32 as before (metric lines unchanged)."""
     from driftless.rollout.worker import score_completions
     from driftless.tasks import Arithmetic

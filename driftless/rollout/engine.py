@@ -91,3 +91,18 @@ def eos_ids(eos) -> tuple[int, ...]:
     if isinstance(eos, int):
         return (eos,)
     return tuple(int(e) for e in eos)
+
+
+class EndIds:
+    """An engine's end-of-sequence ids: ``eos_ids`` (every id that ends a response), ``eos_id`` the first (None:
+    responses run to the budget); setting ``eos_id`` to one id, several or None sets ``eos_ids``."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.eos_ids[0] if self.eos_ids else None
+
+    @eos_id.setter
+    def eos_id(self, value) -> None:
+        self.eos_ids = eos_ids(value)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.engine import REFRESH_POLICIES, assemble, check_request, eos_ids, prepare
+from driftless.rollout.engine import REFRESH_POLICIES, EndIds, assemble, check_request, prepare
 from driftless.rollout.sampling import SamplingParams, is_aligned, sampling_logprobs
 from driftless.rollout.snapshot import Snapshot
 
@@ -43,19 +43,10 @@ class _Decoded:
     end: torch.Tensor | None = None  # [B] each row's length
 
 
-class Sampler:
+class Sampler(EndIds):
     """Generate from a policy copy; ``load(snapshot)`` syncs it to published weights.
 
     ``version``: the weight version ``policy`` already holds (None: call ``load`` first)."""
-
-    @property
-    def eos_id(self) -> int | None:
-        """The first end-of-sequence id (None: responses run to the budget); ``eos_ids`` holds them all."""
-        return self.eos_ids[0] if self.eos_ids else None
-
-    @eos_id.setter
-    def eos_id(self, value) -> None:
-        self.eos_ids = eos_ids(value)
 
     def __init__(self, policy, *, head_k: int = 32, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, view=None,
                  version: int | None = None, decode_latency: float = 0.0):

@@ -41,7 +41,7 @@ import torch
 
 from driftless.ops.cpu import has_avx512_or_amx
 from driftless.rollout.batch import RolloutBatch
-from driftless.rollout.engine import assemble, eos_ids, prepare
+from driftless.rollout.engine import EndIds, assemble, prepare
 from driftless.rollout.sampling import SamplingParams
 from driftless.rollout.snapshot import Snapshot
 
@@ -103,7 +103,7 @@ def _check_model_dir(path: Path, tokenizer: bool) -> None:
                          f"pass tokenizer=False to feed token ids without one")
 
 
-class VLLMSampler:
+class VLLMSampler(EndIds):
     """The Sampler interface (``load``, ``generate``, ``version``) over a vLLM engine.
 
     ``policy``: an ``HFPolicy`` (its config and weights are written to a directory the engine
@@ -112,15 +112,6 @@ class VLLMSampler:
     ``engine_kwargs``: further ``vllm.LLM`` arguments (e.g. ``kv_cache_dtype="fp8_e4m3"``);
     ``sampling_kwargs``: further ``vllm.SamplingParams`` fields, refused when they change q.
     """
-
-    @property
-    def eos_id(self) -> int | None:
-        """The first end-of-sequence id (None: responses run to the budget); ``eos_ids`` holds them all."""
-        return self.eos_ids[0] if self.eos_ids else None
-
-    @eos_id.setter
-    def eos_id(self, value) -> None:
-        self.eos_ids = eos_ids(value)
 
     def __init__(self, policy, *, head_k: int = 32, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0,
                  view=None,
