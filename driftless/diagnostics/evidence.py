@@ -17,8 +17,6 @@ the batch's sampled tokens of D2(p‖q) = log Σ_a p(a)²/q(a), [mismatch] Eq. 1
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from driftless.diagnostics.metrics import LOG_RATIO_CLAMP, masked_mean
@@ -35,7 +33,8 @@ def ratio_diagnostics(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, ma
     if log_w.numel() == 0:
         return {"renyi_d2": 0.0, **dict.fromkeys(RATIO_QUANTILES, 1.0), **dict.fromkeys(RATIO_TAILS, 0.0)}
     # log mean(w²) = logsumexp(2 log w) − log n: no overflow for large ratios
-    out = {"renyi_d2": float(torch.logsumexp(2 * log_w, 0) - math.log(log_w.numel()))}
+    count = torch.tensor(float(log_w.numel()), dtype=torch.float64)
+    out = {"renyi_d2": float(torch.logsumexp(2 * log_w, 0) - torch.log(count))}  # torch.log: exact under train.reproducible
     w = log_w.exp()
     qs = torch.quantile(w, torch.tensor(list(RATIO_QUANTILES.values()), dtype=w.dtype))
     out.update({name: float(v) for name, v in zip(RATIO_QUANTILES, qs)})

@@ -34,6 +34,7 @@ from driftless.ops.exact import (
     aligned_rms_norm,
     aligned_silu_mul,
     exact_attention,
+    exact_causal_attention_grad,
     exact_linear,
     exact_rms_norm,
     exact_silu_mul,
@@ -438,22 +439,20 @@ def _sdpa(q, k, v, groups: int, **kwargs):
 
 
 class _AlignedAttention(torch.autograd.Function):
-    """Aligned attention's values (over the cached slots); the gradient of causal SDPA at (q, k, v).
+    """Aligned attention's values (over the cached slots) and its exact gradient at (q, k, v).
 
-    Only full forwards from position 0 take gradients (``TinyLM.forward``), so causal SDPA over the
-    same q, k, v is the fast definition of what the slots hold.
+    Only full forwards from position 0 take gradients (``TinyLM.forward``): the slots then hold
+    exactly k and v, so ``exact_causal_attention_grad`` differentiates the same attention.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, k_slots, v_slots, hidden, max_len: int, groups: int):
         ctx.save_for_backward(q, k, v)
-        ctx.groups = groups
+        ctx.max_len = max_len
         return exact_attention(q, k_slots, v_slots, hidden, max_len)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            grads = torch.autograd.grad(_sdpa(q, k, v, ctx.groups, is_causal=True), (q, k, v), grad)
+        grads = exact_causal_attention_grad(q.detach(), k.detach(), v.detach(), grad, ctx.max_len)
         return (*grads, None, None, None, None, None)

@@ -244,10 +244,38 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: t
 
 
 # ---------------------------------------------------------------- gradients of the pieces
-# Aligned values, the fast path's gradient at the aligned activations: each piece is one autograd
-# node whose forward is the aligned definition (compiled when fusion is on) and whose backward is
-# the plain fp32 one (written out), evaluated at the inputs the aligned forward saw. A training step then runs the
-# aligned forward once and the fast backward once, with no recomputed fast forward.
+# Each aligned piece is one autograd node whose forward is the aligned definition and whose backward
+# is the derivative written out with the same four kinds of operation: fixed-order GEMMs for the
+# products, exact integer-code sums for the reductions (``exact_sum_slices``), exp32 for the
+# sigmoid. So the gradient, like the value, has the same bits on any CPU, thread count and batch
+# composition of the same rows (tests/test_exact.py compares it with float64 autograd).
+GRAD_TERMS_LOG2 = 24  # sums over tokens (weight gradients) hold up to 2^24 terms: one code width, no recompiles
+
+
+def exact_sum_slices(x: torch.Tensor, dim: int = -1, log2_terms: int | None = None) -> torch.Tensor:
+    """Σ along ``dim`` (float64, keepdim) exact in any order: two slices of fixed-point codes per value.
+
+    ``x ≈ (hi + lo · 2^−b) · 2^(e−b)`` with integers ``|hi|, |lo| ≤ 2^b``, ``b = 52 − log2_terms``
+    (``log2_terms`` ≥ ⌈log2 n⌉ for n terms; by default from n) and ``e`` the exponent of the slice's
+    largest magnitude: both code sums are integers below 2^53 and join with one rounding. A value
+    smaller than ``2^(e − 2b)`` is rounded onto that grid. Finite values only.
+    """
+    n = x.shape[dim]
+    if log2_terms is None:
+        log2_terms = MANTISSA - reduction_bits(max(n, 1))
+    b = MANTISSA - 1 - log2_terms
+    x = x.double()
+    e = exponent_bound(x.abs().amax(dim, keepdim=True))
+    scaled = x * pow2(b - e)  # exact: a power of two
+    hi = torch.round(scaled)
+    lo = torch.round((scaled - hi) * float(2 ** b))  # scaled − hi is exact (|·| ≤ 1/2)
+    return (hi.sum(dim, keepdim=True) + lo.sum(dim, keepdim=True) * float(2.0 ** -b)) * pow2(e - b)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
 class _AlignedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, wt):
@@ -257,15 +285,30 @@ class _AlignedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-                  if ctx.needs_input_grad[1] else None)
+        g = _rows_of(grad.float())
+        grad_x = fixed_order_mm(g, weight.detach()).reshape(*grad.shape[:-1], weight.shape[1]) \
+            if ctx.needs_input_grad[0] else None
+        grad_w = fixed_order_mm(g.t().contiguous(), _rows_of(x.detach())) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
 
 def aligned_linear(x: torch.Tensor, weight: torch.Tensor, wt: torch.Tensor | None = None) -> torch.Tensor:
-    """``exact_linear``'s values with ``F.linear``'s gradient (``wt``: the cached ``linear_weight``, optional)."""
+    """``exact_linear``'s values with ``F.linear``'s gradient, by fixed-order GEMMs (``wt``: the cached ``linear_weight``)."""
     return _AlignedLinear.apply(x, weight, wt)
+
+
+@fused
+def exact_rms_norm_grad(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float):
+    """(∂/∂x, ∂/∂weight) of ``exact_rms_norm``: y = x · r · w, r = 1 / rms as the forward computes it."""
+    d = x.shape[-1]
+    xs = snap(x, reduction_bits(d) // 2)
+    rms = torch.sqrt((xs * xs).sum(-1, keepdim=True) / d + eps).float()
+    r = 1.0 / rms
+    gw = grad * weight
+    mean_gwx = (exact_sum_slices(gw * x, -1) / d).float()
+    grad_x = r * (gw - x * (r * r * mean_gwx))
+    grad_w = exact_sum_slices(_rows_of(grad * (x * r)), 0, GRAD_TERMS_LOG2)[0].float()
+    return grad_x, grad_w
 
 
 class _AlignedRMSNorm(torch.autograd.Function):
@@ -277,18 +320,22 @@ class _AlignedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # y = x · r · w with r = (mean(x²) + eps)^(−1/2): the derivative of F.rms_norm, written out
         x, weight = ctx.saved_tensors
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        gw = grad * weight
-        grad_x = r * (gw - x * (r * r * (gw * x).mean(-1, keepdim=True))) if ctx.needs_input_grad[0] else None
-        grad_w = (grad * x * r).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        grad_x, grad_w = exact_rms_norm_grad(x.detach(), weight.detach(), grad.float(), ctx.eps)
+        return (grad_x if ctx.needs_input_grad[0] else None), (grad_w if ctx.needs_input_grad[1] else None), None
 
 
 def aligned_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``exact_rms_norm``'s values with ``F.rms_norm``'s gradient."""
+    """``exact_rms_norm``'s values with its gradient (``exact_rms_norm_grad``)."""
     return _AlignedRMSNorm.apply(x, weight, eps)
+
+
+@fused
+def exact_silu_mul_grad(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor):
+    """(∂/∂gate, ∂/∂up) of silu(gate) · up: σ = 1 / (1 + exp32(−gate)), silu' = σ · (1 + gate · (1 − σ))."""
+    g = gate.float()
+    sig = 1.0 / (1.0 + exp32(-g))
+    return grad * up * sig * (1.0 + g * (1.0 - sig)), grad * (g * sig)
 
 
 class _AlignedSiluMul(torch.autograd.Function):
@@ -299,17 +346,61 @@ class _AlignedSiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # silu(g) = g · σ(g), silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        grad_gate = grad * up * sig * (1 + gate * (1 - sig)) if ctx.needs_input_grad[0] else None
-        grad_up = grad * gate * sig if ctx.needs_input_grad[1] else None
-        return grad_gate, grad_up
+        grad_gate, grad_up = exact_silu_mul_grad(gate.detach(), up.detach(), grad.float())
+        return (grad_gate if ctx.needs_input_grad[0] else None), (grad_up if ctx.needs_input_grad[1] else None)
 
 
 def aligned_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``exact_silu_mul``'s values with the gradient of ``silu(gate) · up``."""
+    """``exact_silu_mul``'s values with its gradient (``exact_silu_mul_grad``)."""
     return _AlignedSiluMul.apply(gate, up)
+
+
+def exact_causal_attention_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, max_len: int):
+    """(∂q, ∂k, ∂v) of causal attention from position 0 (``exact_attention`` over the same slots).
+
+    q ``[B, H, T, D]`` (scaled, rotated), k, v ``[B, Hkv, T, D]``, grad ``[B, H, T, D]``. P is
+    recomputed as the forward computes it; dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − Σ_j dP ⊙ P),
+    dQ = dS K, dK = dSᵀ Q: fixed-order GEMMs (grouped heads summed inside the chain, rows ordered
+    (group, position) as the forward lays them out) and exact row sums.
+    """
+    b, h, t, d = q.shape
+    h_kv = k.shape[1]
+    rows = q.reshape(b * h_kv, h // h_kv * t, d)
+    kr, vr = k.reshape(b * h_kv, t, d), v.reshape(b * h_kv, t, d)
+    go = grad.float().reshape(b * h_kv, -1, d)
+    positions = torch.arange(t, device=q.device)
+    hidden = hidden_slots(positions.expand(b, t), t, h // h_kv)  # [B, 1, g·T, T]
+    p = _attention_probs(rows, kr, hidden, max_len, b, h_kv)  # [B·Hkv, g·T, T] float32
+    grad_v = fixed_order_bmm(p.transpose(1, 2).contiguous(), go)
+    dp = fixed_order_bmm(go, vr.transpose(1, 2).contiguous())
+    ds = _attention_score_grad(p, dp, max_len)
+    grad_q = fixed_order_bmm(ds, kr)
+    grad_k = fixed_order_bmm(ds.transpose(1, 2).contiguous(), rows)
+    return grad_q.reshape(q.shape), grad_k.reshape(k.shape), grad_v.reshape(v.shape)
+
+
+def _attention_probs(rows, kr, hidden, max_len: int, b: int, h_kv: int) -> torch.Tensor:
+    s = kr.shape[1]
+    scores = fixed_order_bmm(rows, kr.transpose(-1, -2)).reshape(b, h_kv, -1, s)
+    return _attention_softmax(scores, hidden, max_len).reshape(b * h_kv, -1, s)
+
+
+@fused
+def _attention_softmax(scores: torch.Tensor, hidden: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``exact_attention``'s probabilities from its scores (the same expressions)."""
+    scores = scores.masked_fill(hidden, float("-inf"))
+    e = exp32(scores - scores.amax(-1, keepdim=True)).double()
+    unit = float(2 ** (reduction_bits(max_len) - 1))
+    total = torch.round(e * unit).sum(-1, keepdim=True) / unit
+    return (e / total).float()
+
+
+@fused
+def _attention_score_grad(p: torch.Tensor, dp: torch.Tensor, max_len: int) -> torch.Tensor:
+    """dS = P ⊙ (dP − Σ_j dP_j P_j), the row sum exact."""
+    inner = exact_sum_slices(dp * p, -1, MANTISSA - reduction_bits(max_len)).float()
+    return p * (dp - inner)
 
 
 # ---------------------------------------------------------------- log-softmax with a gradient
@@ -323,7 +414,13 @@ class _ExactLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        return grad - out.exp() * grad.sum(-1, keepdim=True)
+        return exact_log_softmax_grad(out, grad.float())
+
+
+@fused
+def exact_log_softmax_grad(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """∂/∂x of log-softmax: grad − e^out · Σ grad (exp32, an exact row sum)."""
+    return grad - exp32(out) * exact_sum_slices(grad, -1).float()
 
 
 @fused

@@ -34,6 +34,9 @@ import warnings
 
 import torch
 
+from driftless.ops.dispatch import active as reproducible_active
+from driftless.ops.dispatch import suspended
+
 ENV = "DRIFTLESS_FUSED_ALIGNED"
 # forced whatever the environment asks of inductor: these two are what the bits rest on
 INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
@@ -113,6 +116,12 @@ def fused(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if reproducible_active():  # machine-independent by construction: without the mode's rules
+            with suspended():
+                return _call(*args, **kwargs)
+        return _call(*args, **kwargs)
+
+    def _call(*args, **kwargs):
         nonlocal compiled
         if not fused_enabled() or torch.compiler.is_compiling() or _needs_grad(args, kwargs):
             return fn(*args, **kwargs)

@@ -153,7 +153,7 @@ def initial_state(config: RunConfig, tok=None, progress: bool = True) -> tuple[d
         ws = config.warm_start
         base, info = warm_start(model_config, task(config), tok, ws.settings(),
                                 max_new_tokens=config.rollout.max_new_tokens, cache_dir=ws.cache_dir,
-                                progress=progress)
+                                progress=progress, reproducible=config.train.reproducible)
         return base.state_dict(), info
     base = TinyLM(model_config)
     base.reset_parameters(seed=config.train.seed)
@@ -185,7 +185,7 @@ def learner(config: RunConfig, state: dict) -> Learner:
         trained.numerics = view(config).quant.numerics.for_trainer(config.mismatch.trainer_numerics)
     o, t = config.optim, config.train
     optimizer = make_optimizer([p for p in trained.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
-                               (o.beta1, o.beta2))
+                               (o.beta1, o.beta2), exact=t.reproducible)
     return Learner(trained, objective(config), optimizer, grad_clip=o.grad_clip,
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
                    schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,

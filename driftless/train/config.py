@@ -267,6 +267,7 @@ class TrainSection(_Section):
     ppo_epochs: int = _positive(1)  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
     minibatches: int = _positive(1)  # optimizer steps per pass (rows split into contiguous minibatches)
     micro_batch_tokens: int | None = _at_least(None, 1)  # gradient accumulation: at most this many tokens a forward
+    reproducible: bool = False  # every operation of the run with the same bits on any CPU (driftless.ops.reproducible)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the learner's forward under autocast, float32 master weights
     learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.ranks)
     loggers: list[LoggerName] = field(default_factory=lambda: ["jsonl"])
@@ -346,6 +347,10 @@ def runtime_refusal(config: RunConfig) -> str | None:
         return f"rollout.workers={r.workers} needs rollout.runtime=process or ray (got {rt!r})"
     if r.ray_num_cpus is not None and rt != "ray":
         return f"rollout.ray_num_cpus={r.ray_num_cpus} sizes a local Ray cluster; it needs rollout.runtime=ray (got {rt!r})"
+    if config.train.reproducible:
+        why = reproducible_refusal(config)
+        if why:
+            return why
     if config.train.precision == "bf16" and config.model.execution == "aligned":
         return ("train.precision=bf16 with model.execution=aligned: aligned execution is float32 by construction "
                 "(its bits are the promise); use train.precision=fp32 or model.execution=fast")
@@ -366,6 +371,30 @@ def runtime_refusal(config: RunConfig) -> str | None:
                     "inside one generate call); use pin")
         if config.model.kind != "hf":
             return f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), got {config.model.kind!r}"
+    return None
+
+
+def reproducible_refusal(config: RunConfig) -> str | None:
+    """Why ``train.reproducible=true`` cannot hold for ``config`` (None: it can)."""
+    m, r, t = config.model, config.rollout, config.train
+    lead = "train.reproducible=true runs every operation with the same bits on any CPU"
+    if m.kind != "tiny":
+        return f"{lead}; model.kind={m.kind!r} runs transformers' kernels, which do not: use model.kind=tiny"
+    if m.execution != "aligned":
+        return f"{lead}; it needs model.execution=aligned (the machine-independent forward), got {m.execution!r}"
+    if r.runtime != "sync":
+        return (f"{lead}; rollout.runtime={r.runtime!r} schedules by timing (which rows arrive when), so the batches "
+                "differ from run to run: use rollout.runtime=sync")
+    if r.engine != "driftless":
+        return f"{lead}; rollout.engine={r.engine!r} runs its own kernels: use rollout.engine=driftless"
+    if t.precision != "fp32":
+        return f"{lead}; train.precision={t.precision!r}: it is float32 by construction"
+    if t.learner_ranks > 1:
+        return (f"{lead}; train.learner_ranks={t.learner_ranks} sums gradients in the collective's own order: "
+                "use one learner rank")
+    if config.mismatch.trainer_numerics != "fp":
+        return (f"{lead}; mismatch.trainer_numerics={config.mismatch.trainer_numerics!r} has no reproducible "
+                "backward yet: use fp")
     return None
 
 

@@ -28,6 +28,7 @@ from driftless.diagnostics.evidence import age_diagnostics, eq1_decomposition, h
 from driftless.objectives.reductions import Totals
 from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
+from driftless.train.optim import ExactAdamW, ExactSGD
 from driftless.train.ranks import Ranks, shard_rows
 
 PRECISIONS = ("fp32", "bf16")
@@ -65,11 +66,15 @@ def _assemble(pieces: list[tuple[torch.Tensor, TokenLogprobs]], rows: int, width
     return TokenLogprobs(logp=place("logp"), head_logp=place("head_logp"), entropy=place("entropy"))
 
 
-def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
+def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), *,
+                   exact: bool = False):
+    """torch's SGD / AdamW; ``exact``: the same updates as single correctly rounded operations (``train.optim``)."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+        return ExactSGD(params, lr=lr, weight_decay=weight_decay) if exact else \
+            torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+        return ExactAdamW(params, lr=lr, weight_decay=weight_decay, betas=betas) if exact else \
+            torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
     raise ValueError(f"optim.name must be 'sgd' or 'adamw', got {name!r}")
 
 

@@ -11,6 +11,7 @@ the held-out split every ``eval_every`` steps → one metrics line → an atomic
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from driftless.ops import reproducible
 from driftless.rollout import Snapshot
 from driftless.train import build, checkpoint
 from driftless.train.config import RunConfig, dump_config
@@ -35,7 +37,21 @@ SAMPLES_FILE, SAMPLES_PER_EVAL = "samples.jsonl", 4  # a few held-out prompts an
 COLLAPSE_FRACTION = 0.5  # collapsed: train-reward EMA (0.9) below half its best, once the best is >= 0.1
 
 
+def _reproducible(method):
+    """Run ``method`` under ``train.reproducible``'s dispatch mode when the config asks for it (entered once)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        config = self.config if hasattr(self, "config") else args[0]
+        with reproducible.within(config.train.reproducible):
+            return method(self, *args, **kwargs)
+    return call
+
+
 class Run:
+    """One training run. With ``train.reproducible`` every method runs under ``ops.reproducible``'s mode:
+    the weights' construction and warm start, each step, evaluation and checkpoints."""
+
+    @_reproducible
     def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, progress: bool | None = None):
         self.config = build.check(config)
         self.dir = Path(run_dir or config.train.run_dir)
@@ -66,6 +82,7 @@ class Run:
         return self.learner.policy
 
     # ------------------------------------------------------------------ one step
+    @_reproducible
     def step(self) -> dict:
         s = self.step_index
         t0 = time.perf_counter()
@@ -110,6 +127,7 @@ class Run:
         self._sources = {"rollout": rollout, "learner": learner, **sources, "run": run}
         return metrics
 
+    @_reproducible
     def _evaluate(self) -> float:
         """Held-out greedy reward of the learner's policy (kept as ``last_eval``); a few of its prompts as the
         model saw them, with their responses, go to ``samples.jsonl``."""
@@ -132,6 +150,7 @@ class Run:
         return [self.text.show(batch.tokens[row, : batch.prompt_len[row]].tolist()) for row in first.values()]
 
     # ------------------------------------------------------------------ driving
+    @_reproducible
     def run(self, resume: bool = False, overwrite: bool = False) -> Path:
         """Train to ``train.steps``. ``resume`` continues from the newest intact checkpoint; a fresh run
         refuses a directory that already holds one unless ``overwrite``."""
@@ -207,6 +226,7 @@ class Run:
         return self.dir
 
     # ------------------------------------------------------------------ checkpoints
+    @_reproducible
     def save_checkpoint(self) -> Path:
         learner = self.learner.state_dict()
         sampler = self.source.sampler_snapshot()
@@ -220,6 +240,7 @@ class Run:
                    "snapshot_versions": {str(k): v.version for k, v in snapshots.items()}},
             snapshots={k: v.state for k, v in snapshots.items()}, versions=learner["versions"])
 
+    @_reproducible
     def load_checkpoint(self, path: Path, verified: dict | None = None) -> None:
         ckpt = checkpoint.load_checkpoint(path, verified=verified)
         state = ckpt["state"]

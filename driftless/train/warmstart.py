@@ -23,6 +23,7 @@ from tqdm import tqdm
 from driftless.models import TinyLM, TinyLMConfig, load_model, save_model
 from driftless.train.config import WarmStartConfig
 from driftless.train.evaluate import evaluate
+from driftless.train.optim import ExactAdamW, one_cycle
 
 
 def sft_batch(problems, tokenizer):
@@ -43,12 +44,17 @@ def sft_batch(problems, tokenizer):
 # Bump when the model's numerics change: 1000 SFT steps amplify ulp-level differences into a
 # different warm start (seen: held-out 0.38 vs 0.30 after a change in the attention kernel call).
 NUMERICS_VERSION = 2
+REPRODUCIBLE_VERSION = 1  # bump when the reproducible recipe's bits change (its digest is the same on every CPU)
 
 
-def cache_key(model_config: TinyLMConfig, task, ws: WarmStartConfig, max_new_tokens: int) -> str:
+def cache_key(model_config: TinyLMConfig, task, ws: WarmStartConfig, max_new_tokens: int,
+              reproducible: bool = False) -> str:
     task_cfg = asdict(task.config) if hasattr(task, "config") else {"max_operand": getattr(task, "max_operand", None)}
-    blob = json.dumps({"model": asdict(model_config), "task": [task.name, task_cfg], "warm": asdict(ws),
-                       "max_new_tokens": max_new_tokens, "v": NUMERICS_VERSION}, sort_keys=True)
+    settings = {"model": asdict(model_config), "task": [task.name, task_cfg], "warm": asdict(ws),
+                "max_new_tokens": max_new_tokens, "v": NUMERICS_VERSION}
+    if reproducible:  # another recipe (aligned, exact AdamW, no momentum cycling), another model
+        settings["reproducible"] = REPRODUCIBLE_VERSION
+    blob = json.dumps(settings, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -64,18 +70,26 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig, *, max_new_tokens: int,
-               cache_dir: str | Path = "runs/warmstart", progress: bool = True):
-    """Train (or load from the cache) the warm-started model; returns (model, info)."""
-    key = cache_key(model_config, task, ws, max_new_tokens)
+               cache_dir: str | Path = "runs/warmstart", progress: bool = True, reproducible: bool = False):
+    """Train (or load from the cache) the warm-started model; returns (model, info).
+
+    ``reproducible`` (``train.reproducible``; call it under ``ops.reproducible.Reproducible``): aligned
+    execution, ``ExactAdamW`` and ``one_cycle``'s learning rate without momentum cycling, so the
+    weights (and their digest) are the same on every CPU."""
+    key = cache_key(model_config, task, ws, max_new_tokens, reproducible)
     out_dir = Path(cache_dir) / key
     if (out_dir / "model.safetensors").exists() and (out_dir / "info.json").exists():
         model, _ = load_model(out_dir / "model.safetensors")
         return model, {**json.loads((out_dir / "info.json").read_text()), "weights_sha256": weights_digest(model)}
     torch.manual_seed(ws.seed)
-    model = TinyLM(model_config)
+    model = TinyLM(model_config, execution="aligned" if reproducible else "fast")
     model.reset_parameters(seed=ws.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=ws.steps, pct_start=0.05)
+    if reproducible:
+        opt = ExactAdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: one_cycle(step, ws.steps))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=ws.steps, pct_start=0.05)
     rng = random.Random(ws.seed)
     t0 = time.time()
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
@@ -88,7 +102,7 @@ def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig,
         loss = (loss * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
         opt.step()
         sched.step()
         loss_value = float(loss.detach())
@@ -96,7 +110,8 @@ def warm_start(model_config: TinyLMConfig, task, tokenizer, ws: WarmStartConfig,
     result = evaluate(model, task, tokenizer, task.eval_set(ws.eval_problems), max_new_tokens=max_new_tokens)
     info = {"key": key, "final_loss": loss_value, "seconds": time.time() - t0, **result,
             "config": asdict(ws), "model": asdict(model_config),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "weights_sha256": weights_digest(model)}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "reproducible": reproducible,
+            "weights_sha256": weights_digest(model)}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(model, out_dir / "model.safetensors", version=0)
     tmp = out_dir / "info.json.tmp"
