@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo hf study study-paper study-quick test test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf study study-paper study-quick test test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -26,6 +26,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/driftless demo
+
+# the demo afresh, every metric line (timings aside) compared with the committed record whose numbers the README
+# states (reproducible training: the same bits on every x86-64 CPU); CI runs it
+demo-verify: $(STAMP)
+	rm -rf runs/demo-verify
+	$(VENV)/bin/driftless demo --run-dir runs/demo-verify --expect results/demo-reproducible --no-progress
 
 # RL on a checkpoint and a data file (docs/own-model.md): the stand-ins built locally, then configs/hf.yaml
 hf: $(STAMP)

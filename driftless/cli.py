@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--warm-start-seeds", type=int, default=None,
                    help="the demo's check: every method over this many warm starts × --seeds RL seeds (resumable; "
                         "docs/calibration.md)")
+    d.add_argument("--expect", default=None, metavar="RECORD",
+                   help="after the demo, compare every metric line (timings aside) of its seed-0 runs with RECORD's "
+                        "(results/demo-reproducible: the README's numbers); exit 1 naming the first difference")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
     d.set_defaults(func=_demo)
@@ -320,6 +323,14 @@ def _demo(args) -> int:
                           config_path=args.config, overrides=args.overrides, progress=not args.no_progress,
                           workers=args.workers)
     print(report.read_text())
+    if args.expect:
+        from driftless.experiments.demo import differences
+
+        found = differences(report.parent, args.expect, methods=args.methods)
+        if found:
+            print(f"the demo differs from {args.expect}:\n  " + "\n  ".join(found), file=sys.stderr)
+            return 1
+        print(f"every metric line (timings aside) equals {args.expect}'s: the same bits")
     return 0
 
 

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics, spread, summarize
+from driftless.experiments.report import eval_curve, initial_eval, read_metrics, spread, summarize
 from driftless.experiments.sweep import run_trials
 from driftless.train import load_config
 
@@ -236,3 +236,56 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+# ------------------------------------------------------------------------------------------ the demo's numbers
+# The README states the demo's exact numbers (the same bits on every x86-64 CPU: train.reproducible). They are
+# the committed record's (RECORD: the 3-seed check, whose seed 0 is what `make demo` runs); a test checks the
+# README against the record, and `driftless demo --expect RECORD` (make demo-verify, in CI) checks a fresh demo
+# against the record, line by line.
+RECORD = Path(__file__).resolve().parents[2] / "results" / "demo-reproducible"
+README_BEGIN, README_END = "<!-- demo-numbers: begin -->", "<!-- demo-numbers: end -->"
+TIMINGS = ("tokens_per_s", "step_time", "wall_time")
+
+
+def numbers_table(run_dir=RECORD, methods=METHODS, seed: int = 0) -> str:
+    """The markdown table of one seed's runs: held-out reward at each evaluation, final and mean over the run."""
+    curves = {m: eval_curve(Path(run_dir) / m / f"seed{seed}") for m in methods}
+    steps = curves[methods[0]][0]
+    head = "| method | " + " | ".join(f"step {s}" for s in steps) + " | mean over the run |"
+    lines = [head, "|---|" + "---|" * (len(steps) + 1)]
+    for m, (_, ys) in curves.items():
+        lines.append(f"| {m} | " + " | ".join(f"{y:.3f}" for y in ys) + f" | {statistics.fmean(ys):.3f} |")
+    return "\n".join(lines)
+
+
+def readme_numbers(readme: Path) -> str:
+    """The table between the README's demo-numbers markers."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} block")
+    return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+
+
+def metric_lines(run: Path) -> list[dict]:
+    """A run's metrics lines without its timings (what the same bits must reproduce)."""
+    return [{k: v for k, v in row.items() if k not in TIMINGS and not k.endswith("_s")} for row in read_metrics(run)]
+
+
+def differences(run_dir, expected_dir, methods=METHODS, seed: int = 0) -> list[str]:
+    """Where a demo's runs differ from a record's (empty: every metric line, timings aside, is equal)."""
+    out = []
+    for m in methods:
+        got, want = Path(run_dir) / m / f"seed{seed}", Path(expected_dir) / m / f"seed{seed}"
+        a, b = metric_lines(got), metric_lines(want)
+        if initial_eval(got) != initial_eval(want):
+            out.append(f"{m}: initial held-out reward {initial_eval(got)} vs the record's {initial_eval(want)}")
+        if len(a) != len(b):
+            out.append(f"{m}: {len(a)} metric lines vs the record's {len(b)}")
+        for x, y in zip(a, b):
+            keys = [k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+            if keys:
+                out.append(f"{m}: step {x.get('step')} differs in {', '.join(keys[:5])}"
+                           f" (e.g. {keys[0]} {x.get(keys[0])!r} vs {y.get(keys[0])!r})")
+                break
+    return out

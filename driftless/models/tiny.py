@@ -15,8 +15,9 @@ Two execution modes (``model.execution``):
   elementwise one, and attention writes K/V into the cache first and reads them from it. Same
   weights + same history => bitwise-equal logits for any batch size, composition, padding,
   prefill/decode split, thread count, BLAS and CPU generation. The aligned forward defines the
-  values; each aligned piece is one autograd node whose backward is the fast path's, evaluated at
-  the aligned activations (no fast forward is recomputed), validated against float64 in the tests.
+  values; each aligned piece is one autograd node whose gradient is written out with the same
+  machine-independent operations (``ops.exact``, "gradients of the pieces"), validated against
+  float64 in the tests; ``train.reproducible`` makes the rest of a training step so too.
 """
 
 from __future__ import annotations

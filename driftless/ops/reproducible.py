@@ -366,8 +366,7 @@ _PASS = {
     "gather", "masked_fill", "masked_fill_", "where", "fill_", "zero_", "zeros", "ones", "full", "empty",
     "empty_like", "empty_strided", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
     "new_full", "new_empty_strided", "arange", "lift_fresh", "lift_fresh_copy", "scalar_tensor", "_local_scalar_dense",
-    "roll", "flip", "repeat", "repeat_interleave", "constant_pad_nd", "tril", "triu", "set_", "index_put_",
-    "index_put", "scatter", "scatter_", "masked_select", "nonzero", "expand_copy", "view_copy", "split_copy",
+    "roll", "flip", "repeat", "repeat_interleave", "constant_pad_nd", "tril", "triu", "set_", "scatter", "scatter_", "masked_select", "nonzero", "expand_copy", "view_copy", "split_copy",
     "_unique2", "unique_dim", "unique_consecutive", "isin", "equal", "is_nonzero", "resize_", "diagonal",
     "movedim", "unfold", "_reshape_alias", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_",
     "searchsorted", "bucketize", "one_hot", "record_stream", "_has_compatible_shallow_copy_type",
@@ -453,20 +452,33 @@ def _rule_mean(func, args, kwargs):
     return exact_mean(x, dim, keepdim, kwargs.get("dtype"))
 
 
+def _named(func, args, kwargs) -> dict:
+    """An operation's arguments by their schema names, defaults filled in."""
+    out = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
 def _rule_var(func, args, kwargs, root: bool = False):
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    correction = kwargs.get("correction")
-    correction = 1 if correction is None else correction
-    keepdim = kwargs.get("keepdim", False)
-    dims = _reduce_dims(x, dim)
+    a = _named(func, args, kwargs)
+    x = a["self"]
+    correction = a.get("correction")
+    if correction is None:
+        correction = 1 if a.get("unbiased", True) else 0
+    dims = _reduce_dims(x, a.get("dim"))
     rows = _rows(x.double(), dims)
     n = rows.shape[-1]
     mean = exact_sum_rows(rows)[..., None] / n
     dev = rows - mean
     var = exact_sum_rows(dev * dev) / max(n - correction, 0)
     out = torch.sqrt(var) if root else var
-    return _keep(out, x, dims, keepdim).to(x.dtype)
+    return _keep(out, x, dims, a.get("keepdim", False)).to(x.dtype)
 
 
 def _rule_norm(func, args, kwargs):

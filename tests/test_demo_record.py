@@ -1,0 +1,52 @@
+"""The README's demo numbers are the committed record's, and the record is what configs/demo.yaml trains.
+
+`make demo` runs reproducible training (train.reproducible), so its numbers are the same bits on every
+x86-64 CPU. The record (results/demo-reproducible: the 3-seed check, seed 0 being `make demo`'s runs)
+carries them; this test ties the README to the record and the record to the config. `make demo-verify`
+(CI) trains the demo afresh and compares every metric line with the record's (``driftless demo --expect``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from driftless.experiments.demo import METHODS, RECORD, differences, method_overrides, numbers_table, readme_numbers
+from driftless.train import load_config
+from driftless.train.config import dump_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_states_the_records_numbers():
+    assert readme_numbers(REPO / "README.md") == numbers_table(RECORD), (
+        "README.md's demo numbers are not the record's: paste driftless.experiments.demo.numbers_table() "
+        "between its demo-numbers markers")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_record_was_trained_from_configs_demo_yaml(method):
+    """A change to configs/demo.yaml without a new record (and README) fails here."""
+    recorded = yaml.safe_load((RECORD / method / "seed0" / "config.yaml").read_text())
+    current = yaml.safe_load(dump_config(load_config(REPO / "configs/demo.yaml",
+                                                     [*method_overrides(method), "train.seed=0"])))
+    for section, key in (("train", "run_dir"), ("train", "progress"), ("train", "loggers"), ("warm_start", "cache_dir")):
+        recorded[section].pop(key, None)
+        current[section].pop(key, None)
+    assert recorded == current
+
+
+def test_a_record_compared_with_itself_has_no_differences_and_a_changed_line_is_named(tmp_path):
+    assert differences(RECORD, RECORD) == []
+
+    for m in METHODS:
+        shutil.copytree(RECORD / m / "seed0", tmp_path / m / "seed0", ignore=shutil.ignore_patterns("checkpoints"))
+    path = tmp_path / "sc" / "seed0" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[3] = lines[3].replace('"step": 3', '"step": 3, "extra": 1', 1)  # one more key on one line
+    path.write_text("\n".join(lines) + "\n")
+    found = differences(tmp_path, RECORD)
+    assert len(found) == 1 and found[0].startswith("sc: step 3 differs in extra")
