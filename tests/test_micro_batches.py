@@ -18,6 +18,7 @@ from driftless.objectives import REDUCTIONS, make
 from driftless.objectives.reductions import Totals, reduce_loss
 from driftless.rollout import Sampler, SamplingParams, Snapshot
 from driftless.train.learner import Learner, make_optimizer, micro_batches
+from driftless.train.ranks import full_state, fully_shard_policy
 
 PRESETS = ["pg", "tis", "sc+tis", "gspo", "reinforce-zero"]
 
@@ -45,14 +46,17 @@ def mismatched_batch():
     return model.double(), batch
 
 
-def update(model, batch, preset, reduction, micro, epochs=1, minibatches=1, ranks=None):
+def update(model, batch, preset, reduction, micro, epochs=1, minibatches=1, ranks=None, parallel="ddp"):
     policy = copy.deepcopy(model)
+    if parallel == "fsdp":
+        fully_shard_policy(policy, ranks)
     params = {"reduction": reduction} if preset != "sc+tis" else {"reduction": reduction, "top_k": 8}
     learner = Learner(policy, make(preset, **params), make_optimizer(list(policy.parameters()), "sgd", 0.1),
                       grad_clip=0.0, head_k=8, decomposition=False, micro_batch_tokens=micro, ppo_epochs=epochs,
                       minibatches=minibatches, ranks=ranks)
     metrics = learner.update(batch)
-    step = {k: (policy.state_dict()[k] - model.state_dict()[k]) for k in model.state_dict()}
+    after = full_state(policy)
+    step = {k: (after[k] - model.state_dict()[k]) for k in model.state_dict()}
     return step, metrics
 
 

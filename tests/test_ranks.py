@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from driftless.objectives import REDUCTIONS
 from driftless.train.ranks import Ranks, shard_rows
 
 
-def _rank_main(rank: int, world: int, init: str, model, batch, out: str):
+def _rank_main(rank: int, world: int, init: str, model, batch, out: str, parallel: str = "ddp"):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -31,16 +32,19 @@ def _rank_main(rank: int, world: int, init: str, model, batch, out: str):
     try:
         for preset in PRESETS:
             for reduction in REDUCTIONS:
-                results[(preset, reduction)] = update(model, batch, preset, reduction, 60, ranks=Ranks(rank, world))
+                results[(preset, reduction)] = update(model, batch, preset, reduction, 60, ranks=Ranks(rank, world),
+                                                      parallel=parallel)
     finally:
         dist.destroy_process_group()
     torch.save(results, f"{out}.{rank}")
 
 
-def test_two_gloo_ranks_give_the_one_process_update_for_every_reduction_and_preset(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_ranks_give_the_one_process_update_for_every_reduction_and_preset(tmp_path, parallel):
+    """ddp: whole copies, gradients summed after the backward; fsdp: FSDP2 shards, reduce-scattered (summed) in it."""
     model, batch = mismatched_batch()
     out = str(tmp_path / "results")
-    mp.spawn(_rank_main, args=(2, f"file://{tmp_path / 'pg'}", model, batch, out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, f"file://{tmp_path / 'pg'}", model, batch, out, parallel), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     for (preset, reduction), (step, metrics) in ranks[0].items():
         whole_step, whole = update(model, batch, preset, reduction, None)
@@ -70,11 +74,11 @@ TINY = ["task.name=arithmetic", "task.max_operand=9", "model.d_model=32", "model
         "train.steps=3", "train.eval_every=3", "train.checkpoint_every=3", "optim.lr=1e-3"]
 
 
-def _train(run_dir: Path, *extra, ranks: int = 1):
+def _train(run_dir: Path, *extra, ranks: int = 1, base=TINY):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = [e for e in extra if e.startswith("--")]
     extra = [e for e in extra if not e.startswith("--")]
-    args = ["-m", "driftless", "train", "configs/default.yaml", *TINY, *extra, "--run-dir", str(run_dir),
+    args = ["-m", "driftless", "train", "configs/default.yaml", *base, *extra, "--run-dir", str(run_dir),
             "--no-progress", *flags]
     if ranks > 1:
         torchrun = Path(sys.executable).with_name("torchrun")
@@ -87,9 +91,11 @@ def _train(run_dir: Path, *extra, ranks: int = 1):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_run_under_torchrun_writes_the_one_process_lines(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_run_under_torchrun_writes_the_one_process_lines(tmp_path, parallel):
     one = _train(tmp_path / "one")
-    two = _train(tmp_path / "two", "train.learner_ranks=2", "train.micro_batch_tokens=40", ranks=2)
+    two = _train(tmp_path / "two", "train.learner_ranks=2", "train.micro_batch_tokens=40", f"train.parallel={parallel}",
+                 ranks=2)
     from driftless.train.loop import TIMING_KEYS
 
     assert [r["step"] for r in two] == [0, 1, 2] and "eval_reward" in two[-1]
@@ -111,20 +117,89 @@ def test_ranks_are_refused_where_they_cannot_be_honoured(tmp_path):
         Ranks.from_env(2)
 
 
-def test_a_two_rank_run_resumes_on_one_rank_and_a_one_rank_run_on_two(tmp_path):
-    """Every rank holds the whole state and rank-local choices are functions of (seed, step): a checkpoint
-    written at 2 ranks resumes at 1 and one written at 1 resumes at 2, continuing the uninterrupted lines."""
-    c = ["train.checkpoint_every=2", "train.eval_every=2", "optim.schedule=constant"]  # the same run, cut at step 2
-    straight = _train(tmp_path / "straight", "train.steps=4", *c)
-    _train(tmp_path / "a", "train.steps=2", *c, "train.learner_ranks=2", ranks=2)
-    a = _train(tmp_path / "a", "train.steps=4", *c, "--resume")
-    _train(tmp_path / "b", "train.steps=2", *c)
-    b = _train(tmp_path / "b", "train.steps=4", *c, "train.learner_ranks=2", "--resume", ranks=2)
+def _same_lines(one, two, rel=1e-4):
     from driftless.train.loop import TIMING_KEYS
 
-    for resumed in (a, b):
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    for a, b in zip(one, two):
+        for key, value in a.items():
+            if key in TIMING_KEYS or key.endswith("_s") or not isinstance(value, float):
+                assert key in b
+                continue
+            assert b[key] == pytest.approx(value, rel=rel, abs=1e-6), (key, a["step"])
+
+
+def test_a_transformers_checkpoint_trains_sharded_per_decoder_layer(tmp_path):
+    """model.kind=hf under FSDP2: one unit per decoder layer and one for the model; the lines are one process's."""
+    pytest.importorskip("transformers")
+    from driftless.experiments.make_model import make_model
+    from driftless.tasks import Countdown, CountdownConfig
+    from driftless.tasks.export import task_rows, write_jsonl
+
+    task = Countdown(CountdownConfig(2, 1, 12, 100))
+    train, held = task_rows(task, "train", draws=500), task_rows(task, "eval", draws=500)
+    write_jsonl(train, tmp_path / "data/train.jsonl")
+    write_jsonl(held, tmp_path / "data/eval.jsonl")
+    make_model(tmp_path / "model", rows_train=train, rows_eval=held, vocab_size=300, hidden=32, layers=2, heads=2,
+               kv_heads=1, intermediate=64, max_positions=64, sft_steps=10, sft_batch=8, progress=False)
+    hf = ["model.kind=hf", f"model.hf_path={tmp_path / 'model'}", "model.max_seq_len=64", "task.name=dataset",
+          f"task.path={tmp_path}/data/train.jsonl", f"task.eval_path={tmp_path}/data/eval.jsonl",
+          "task.reward=countdown", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=10",
+          "rollout.head_k=8", "objective.name=sc+tis", "objective.params={top_k: 8}", "mismatch.view=noise:0.1",
+          "train.eval_problems=8", "train.steps=2", "train.eval_every=2", "train.checkpoint_every=2",
+          "optim.lr=1e-3"]
+    one = _train(tmp_path / "one", base=hf)
+    two = _train(tmp_path / "two", "train.learner_ranks=2", "train.parallel=fsdp", "train.micro_batch_tokens=64",
+                 ranks=2, base=hf)
+    _same_lines(one, two)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_two_rank_run_resumes_on_one_rank_and_on_two_and_a_one_rank_run_on_two(tmp_path, parallel):
+    """A checkpoint of several ranks holds model and optimizer through torch.distributed.checkpoint (resharded on
+    load) and rank-local choices are functions of (seed, step): one written at 2 ranks resumes at 1 and at 2,
+    and one written at 1 resumes at 2, each continuing the uninterrupted lines."""
+    c = ["train.checkpoint_every=2", "train.eval_every=2", "optim.schedule=constant"]  # the same run, cut at step 2
+    two = ["train.learner_ranks=2", f"train.parallel={parallel}"]
+    straight = _train(tmp_path / "straight", "train.steps=4", *c)
+    _train(tmp_path / "a", "train.steps=2", *c, *two, ranks=2)
+    assert (tmp_path / "a/checkpoints/step_000002/dcp/.metadata").exists()
+    assert not (tmp_path / "a/checkpoints/step_000002/optim.pt").exists()
+    shutil.copytree(tmp_path / "a", tmp_path / "a2")
+    a = _train(tmp_path / "a", "train.steps=4", *c, "--resume")
+    a2 = _train(tmp_path / "a2", "train.steps=4", *c, *two, "--resume", ranks=2)
+    _train(tmp_path / "b", "train.steps=2", *c)
+    b = _train(tmp_path / "b", "train.steps=4", *c, *two, "--resume", ranks=2)
+    from driftless.train.loop import TIMING_KEYS
+
+    for resumed in (a, a2, b):
         assert [r["step"] for r in resumed] == [0, 1, 2, 3]
         for x, y in zip(straight, resumed):
             for key, value in x.items():
                 if key not in TIMING_KEYS and not key.endswith("_s") and isinstance(value, float):
                     assert y[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, x["step"])
+
+
+def test_a_sharded_checkpoint_loads_into_one_process_and_a_dtype_mismatch_is_refused(tmp_path):
+    """torch.distributed.checkpoint without a process group: the learner's state round-trips exactly; loading it
+    into a model of another dtype is an error naming the tensor, not DCP's silent cast."""
+    import torch.distributed.checkpoint as dcp
+
+    model, batch = mismatched_batch()  # float64
+    from driftless.objectives import make
+    from driftless.train.learner import Learner, make_optimizer
+
+    def learner(m):
+        return Learner(m, make("pg"), make_optimizer(list(m.parameters()), "adamw", 1e-3), decomposition=False)
+
+    trained = learner(model.float())
+    trained.update(batch)
+    dcp.save(trained.sharded_state(), checkpoint_id=str(tmp_path / "dcp"))
+    fresh = learner(mismatched_batch()[0].float())
+    fresh.load_state_dict({"dcp": tmp_path / "dcp", "version": 1, "skipped_steps": 0})
+    for (k, a), b in zip(trained.policy.state_dict().items(), fresh.policy.state_dict().values()):
+        assert torch.equal(a, b), k
+    moments = [s["exp_avg"] for s in trained.optimizer.state.values()]
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, fresh.optimizer.state.values()))
+    with pytest.raises(ValueError, match=r"final_norm was saved as torch.float32, this model holds torch.float64"):
+        learner(mismatched_batch()[0]).load_state_dict({"dcp": tmp_path / "dcp", "version": 1, "skipped_steps": 0})

@@ -100,6 +100,28 @@ def test_training_is_bitwise_the_same_on_every_kernel_set(runs, case, pair):
     assert len({line["reward"] for line in lines_a}) > 1
 
 
+def warm_start_digest_in(profile: dict[str, str], cache: Path) -> str:
+    """The warm start as the sweep's driver makes it (`driftless demo`, before any trial): outside any run."""
+    code = ("import sys, json; from driftless.train import load_config; "
+            "from driftless.experiments.sweep import prepare_warm_starts; from driftless.train import build; "
+            f"cfg = load_config({str(REPO / 'configs/demo.yaml')!r}, {[*SHRUNK, f'warm_start.cache_dir={cache}']!r}); "
+            "prepare_warm_starts([cfg], progress=False); "
+            "print(build.initial_state(cfg, progress=False)[1]['weights_sha256'])")
+    env = {**os.environ, **profile, "PYTHONHASHSEED": "0"}
+    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()[-1]
+
+
+@needs_two_kernel_sets
+def test_the_sweep_drivers_warm_start_is_the_runs_on_every_kernel_set(runs, tmp_path):
+    """`driftless demo` warms up in its driver, outside any run: the same digest there as inside one."""
+    inside = {start["warm_start"]["weights_sha256"] for _, _, start in runs["pg"].values()}
+    outside = {warm_start_digest_in(p, tmp_path / name) for name, p in profiles().items()}
+    assert outside == inside and len(inside) == 1
+
+
 @needs_two_kernel_sets
 def test_without_reproducible_the_same_training_differs_across_kernel_sets(tmp_path):
     """The control: the demo's fast execution, shrunk the same way, lands elsewhere under other kernels."""

@@ -95,14 +95,15 @@ class HFPolicy(nn.Module):
     def prefill(self, tokens, lengths, cache: HFCache):
         self._check(tokens)
         t = tokens.shape[1]
-        mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
-        positions = torch.arange(t)[None, :].expand(tokens.shape[0], t)
+        mask = (torch.arange(t, device=tokens.device)[None, :] < lengths[:, None]).long()
+        positions = torch.arange(t, device=tokens.device)[None, :].expand(tokens.shape[0], t)
         out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True)
         cache.past, cache.mask = self._cache_of(out), mask
         return out.logits.float()
 
     def decode(self, tokens, positions, cache: HFCache):
-        cache.mask = torch.cat([cache.mask, torch.ones(cache.mask.shape[0], 1, dtype=torch.long)], dim=1)
+        cache.mask = torch.cat([cache.mask, torch.ones(cache.mask.shape[0], 1, dtype=torch.long,
+                                                           device=cache.mask.device)], dim=1)
         out = self.model(input_ids=tokens[:, None].long(), attention_mask=cache.mask,
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)

@@ -112,6 +112,11 @@ class RolloutBatch:
                 changes[f.name] = value
         return self.replace(**changes)
 
+    def to(self, device) -> RolloutBatch:
+        """Every tensor field on ``device`` (the learner's; the same values)."""
+        return self.replace(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                               if isinstance(getattr(self, f.name), torch.Tensor)})
+
     def shorten(self, length: torch.Tensor) -> RolloutBatch:
         """The rows cut to ``length`` (each at most its own): later tokens leave the mask and lose their records."""
         length = torch.minimum(torch.as_tensor(length, dtype=torch.long), self.length)

@@ -43,6 +43,13 @@ class _Decoded:
     end: torch.Tensor | None = None  # [B] each row's length
 
 
+def _device(policy) -> torch.device:
+    """Where ``policy``'s weights are (the CPU for a policy without parameters)."""
+    params = getattr(policy, "parameters", None)
+    first = next(iter(params()), None) if params is not None else None
+    return first.device if first is not None else torch.device("cpu")
+
+
 class Sampler(EndIds):
     """Generate from a policy copy; ``load(snapshot)`` syncs it to published weights.
 
@@ -105,8 +112,9 @@ class Sampler(EndIds):
         exact = is_aligned(policy)
         ctx, total = policy.max_seq_len, tokens.shape[1]
         k = min(self.head_k, policy.vocab_size)
+        device = _device(policy)  # the forwards run there; the bookkeeping stays on the CPU
         cache = policy.new_cache(b)
-        prefill = policy.prefill(tokens[:, : int(plen.max())], plen, cache)  # [B, T, V]
+        prefill = policy.prefill(tokens[:, : int(plen.max())].to(device), plen.to(device), cache).cpu()  # [B, T, V]
         last = prefill[torch.arange(b), plen - 1]  # [B, V]
         last_version = self.version  # the weights that computed `last`
         kv_oldest = torch.full((b,), self.version, dtype=torch.long)  # oldest version in each row's cache
@@ -128,7 +136,7 @@ class Sampler(EndIds):
                     self.load(snapshot)
                     if refresh == "recompute":  # rebuild every row's cache under the new weights
                         cache = policy.new_cache(b)
-                        logits = policy.prefill(seq[:, : int(pos.max())], pos, cache)
+                        logits = policy.prefill(seq[:, : int(pos.max())].to(device), pos.to(device), cache).cpu()
                         last = logits[torch.arange(b), pos - 1]
                         last_version = self.version
                         kv_oldest = torch.full((b,), self.version, dtype=torch.long)
@@ -155,7 +163,7 @@ class Sampler(EndIds):
             if not (~done & (pos < limit)).any():
                 break
             # feed each row's new token at its position (finished rows feed junk into a slot they no longer read)
-            last = policy.decode(tok, torch.clamp(pos - 1, max=ctx - 1), cache)
+            last = policy.decode(tok.to(device), torch.clamp(pos - 1, max=ctx - 1).to(device), cache).cpu()
             last_version = self.version
             kv_oldest = torch.clamp(kv_oldest, max=self.version)  # the slot just written holds this version
         out.end = pos

@@ -12,6 +12,7 @@ setting the domain refuses is refused by name before a run starts; the schema
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from driftless.rollout.worker import RolloutSettings, RolloutWorker
 from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfig, FirstToken
 from driftless.train.config import RunConfig
 from driftless.train.learner import Learner, make_optimizer
-from driftless.train.ranks import Ranks
+from driftless.train.ranks import Ranks, fully_shard_policy
 
 
 def tokenizer(config: RunConfig | None = None):
@@ -179,19 +180,35 @@ def policy(config: RunConfig, state: dict | str | Path, tok=None):
 
 # ---------------------------------------------------------------------------------------- parts
 def learner(config: RunConfig, state: dict) -> Learner:
-    """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics), objective, optimizer."""
-    trained = policy(config, state)
+    """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics) on its device, sharded
+    over the learner ranks under ``train.parallel=fsdp``, objective, optimizer."""
+    trained = policy(config, state).to(device(config))
     if config.mismatch.trainer_numerics != "fp":
         trained.numerics = view(config).quant.numerics.for_trainer(config.mismatch.trainer_numerics)
     o, t = config.optim, config.train
+    ranks = Ranks.from_env(t.learner_ranks)
+    if t.parallel == "fsdp":
+        fully_shard_policy(trained, ranks, t.precision)
     optimizer = make_optimizer([p for p in trained.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
                                (o.beta1, o.beta2), exact=t.reproducible)
     return Learner(trained, objective(config), optimizer, grad_clip=o.grad_clip,
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
                    schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
                    decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep(),
-                   micro_batch_tokens=t.micro_batch_tokens, ranks=Ranks.from_env(t.learner_ranks),
-                   precision=t.precision)
+                   micro_batch_tokens=t.micro_batch_tokens, ranks=ranks, precision=t.precision)
+
+
+def device(config: RunConfig) -> torch.device:
+    """``train.device``: auto is cuda when available (aligned execution: always the CPU); cuda without CUDA refused."""
+    asked = config.train.device
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU "
+                         "visible): use train.device=cpu or auto")
+    if asked == "auto":
+        asked = "cuda" if torch.cuda.is_available() and config.model.execution != "aligned" else "cpu"
+    if asked == "cuda" and "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # one GPU a rank under torchrun
+    return torch.device(asked)
 
 
 def rollout_settings(config: RunConfig) -> RolloutSettings:

@@ -3,6 +3,8 @@
     RUN/checkpoints/step_000040/model.safetensors    trainer weights
                                sampler.safetensors  the snapshot the rollout workers last got (pre-view)
                                optim.pt             optimizer state
+                               dcp/                 model and optimizer of a run on several learner ranks
+                                                    (torch.distributed.checkpoint: resumes at any number)
                                state.json           counters (step, version, ...) and every file's SHA-256
                                snapshot_000038.safetensors  weights published after step 38 (a lagged sampler's)
                                version_000012.safetensors   the learner's weights at version 12 (Eq. 1's p_v)
@@ -46,30 +48,46 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, optimizer: dict, state: dict,
-                    snapshots: dict[int, dict] | None = None, versions: dict[int, dict] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, optimizer: dict | None, state: dict,
+                    snapshots: dict[int, dict] | None = None, versions: dict[int, dict] | None = None,
+                    sharded: dict | None = None, ranks=None) -> Path:
     """``snapshots``: published weights a resumed run still needs (a lagged sampler), by step count;
-    ``versions``: the learner's past weights by version (the Eq. 1 decomposition's)."""
+    ``versions``: the learner's past weights by version (the Eq. 1 decomposition's). ``sharded``: the
+    model and optimizer as torch.distributed.checkpoint saves them, written by every rank of ``ranks``
+    (collective: every rank calls this; rank 0 writes the rest, checksums every file and renames)."""
     root = Path(run_dir) / "checkpoints"
     name = f"step_{step:06d}"
     tmp = root / f".{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    primary = ranks is None or ranks.rank == 0
+    if primary:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if sharded is not None:
+        import torch.distributed.checkpoint as dcp
+
+        ranks.barrier()  # the folder exists before any rank writes into it
+        dcp.save(sharded, checkpoint_id=str(tmp / "dcp"))
+    if not primary:
+        ranks.barrier()  # rank 0 has renamed the checkpoint into place
+        return root / name
     save_file({k: v.detach().contiguous() for k, v in model.items()}, str(tmp / "model.safetensors"))
     save_file({k: v.contiguous() for k, v in sampler.items()}, str(tmp / "sampler.safetensors"))
-    torch.save(optimizer, tmp / "optim.pt")
+    if sharded is None:
+        torch.save(optimizer, tmp / "optim.pt")
     for i, snap in (snapshots or {}).items():
         save_file({k: v.contiguous() for k, v in snap.items()}, str(tmp / f"snapshot_{i:06d}.safetensors"))
     for v, weights in (versions or {}).items():
         save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp / f"version_{v:06d}.safetensors"))
-    files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+    files = {f.relative_to(tmp).as_posix(): _sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
     (tmp / "state.json").write_text(json.dumps({"step": step, **state, "files": files}))
     final = root / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     atomic_write(root / "latest", name)
+    if sharded is not None:
+        ranks.barrier()
     return final
 
 
@@ -133,7 +151,8 @@ def load_checkpoint(path: Path, *, weights_only: bool = False, verified: dict | 
            "model": load_file(str(path / "model.safetensors"))}
     if not weights_only:
         out["sampler"] = load_file(str(path / "sampler.safetensors"))
-        out["optimizer"] = torch.load(path / "optim.pt", weights_only=True)
+        out["dcp"] = path / "dcp" if (path / "dcp").is_dir() else None  # model + optimizer of several ranks
+        out["optimizer"] = None if out["dcp"] else torch.load(path / "optim.pt", weights_only=True)
         out["snapshots"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("snapshot_*.safetensors"))}
         out["versions"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("version_*.safetensors"))}
     return out

@@ -270,6 +270,8 @@ class TrainSection(_Section):
     reproducible: bool = False  # every operation of the run with the same bits on any CPU (driftless.ops.reproducible)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the learner's forward under autocast, float32 master weights
     learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.ranks)
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # with learner_ranks > 1: whole copies, or FSDP2-sharded (train.shard)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # the learner's device; auto: cuda when available (aligned: cpu)
     loggers: list[LoggerName] = field(default_factory=lambda: ["jsonl"])
     trace: bool = False  # record every consumed batch under RUN/trace/ (driftless replay)
     learner_runtime: Literal["local", "ray"] = "local"  # ray: the learner in a Ray actor (rollout.runtime=ray)
@@ -354,6 +356,28 @@ def runtime_refusal(config: RunConfig) -> str | None:
     if config.train.precision == "bf16" and config.model.execution == "aligned":
         return ("train.precision=bf16 with model.execution=aligned: aligned execution is float32 by construction "
                 "(its bits are the promise); use train.precision=fp32 or model.execution=fast")
+    t = config.train
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ("train.device=cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU "
+                    "visible): use train.device=cpu or auto")
+    if t.device == "cuda" and config.model.execution == "aligned":
+        return ("train.device=cuda with model.execution=aligned: aligned execution runs driftless's own CPU kernels "
+                "(its bits are the promise); use train.device=cpu or model.execution=fast")
+    if t.parallel == "fsdp" and config.model.execution == "aligned":
+        return ("train.parallel=fsdp with model.execution=aligned: FSDP's collectives sum in their own order; "
+                "use train.parallel=ddp or model.execution=fast")
+    if t.parallel == "fsdp" and config.mismatch.trainer_numerics != "fp":
+        return (f"train.parallel=fsdp with mismatch.trainer_numerics={config.mismatch.trainer_numerics!r}: the "
+                "trainer's fake-quantized views read whole weights, which FSDP shards; use train.parallel=ddp")
+    if t.parallel == "fsdp" and t.learner_ranks == 1:
+        return "train.parallel=fsdp shards over learner ranks: it needs train.learner_ranks > 1 (under torchrun)"
+    if t.parallel == "fsdp" and config.diagnostics.decomposition and config.versions_to_keep():
+        return (f"train.parallel=fsdp keeps no past versions' weights for Eq. 1 (this run needs "
+                f"{config.versions_to_keep()}: lag or staleness); set diagnostics.decomposition=false or "
+                "train.parallel=ddp")
     if config.train.learner_ranks > 1 and rt != "sync":
         return (f"train.learner_ranks={config.train.learner_ranks} runs under torchrun with rollout.runtime=sync "
                 f"(got {rt!r}); learner ranks as Ray actors are not built yet")

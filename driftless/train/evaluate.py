@@ -18,8 +18,13 @@ def encode_prompts(text, problems) -> list[list[int]]:
 
 def clean_sampler(policy, text) -> Sampler:
     """The built-in Sampler over a copy of ``policy`` without any numerics hook, holding its weights as version 0."""
-    clean = copy.deepcopy(policy)
-    if isinstance(clean, SupportsNumerics):
+    from driftless.train.ranks import sharded
+
+    if sharded(policy) and getattr(policy, "numerics", None) is None:
+        clean = policy  # FSDP shards: evaluated in place, every rank running the same forwards (nothing to strip)
+    else:
+        clean = copy.deepcopy(policy)
+    if isinstance(clean, SupportsNumerics) and clean.numerics is not None:
         clean.numerics = None
     return Sampler(clean, head_k=0, eos_id=getattr(text, "eos_ids", text.eos_id), pad_id=text.pad_id, version=0)
 

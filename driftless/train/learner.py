@@ -29,7 +29,7 @@ from driftless.objectives.reductions import Totals
 from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
 from driftless.train.optim import ExactAdamW, ExactSGD
-from driftless.train.ranks import Ranks, shard_rows
+from driftless.train.ranks import Ranks, full_state, shard_rows, sharded
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -110,6 +110,10 @@ class Learner:
             raise ValueError("train.precision=bf16 with aligned execution: aligned is float32 by construction")
         self.precision = precision
         self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.ranks)
+        self.sharded = sharded(policy)  # FSDP2 (train.parallel=fsdp): collectives inside every forward / backward
+        if self.sharded and decomposition and keep_versions:
+            raise ValueError("train.parallel=fsdp keeps no past versions' weights for Eq. 1: diagnostics.keep_versions "
+                             "must be 0 (or diagnostics.decomposition false)")
         if not isinstance(keep_versions, int) or keep_versions < 0:
             raise ValueError(f"diagnostics.keep_versions must be an integer >= 0, got {keep_versions!r}")
         self.policy, self.objective, self.optimizer = policy, objective, optimizer
@@ -128,6 +132,9 @@ class Learner:
     def update(self, batch: RolloutBatch) -> dict:
         t0 = time.perf_counter()
         self.policy.train()
+        device = next(self.policy.parameters()).device
+        if batch.tokens.device != device:  # rollouts arrive on the CPU; the learner may be on a GPU (train.device)
+            batch = batch.to(device)
         start_version = self.version
         micro = self.micro_batch_tokens is not None or self.ranks.distributed
         if self.ppo_epochs * self.minibatches == 1 and micro:
@@ -259,7 +266,13 @@ class Learner:
         pieces, skipped, t_objective = [], False, 0.0
         mine = shard_rows(batch.length, self.ranks.world, self.ranks.rank)  # all rows on one rank
         groups = [mine[g] for g in micro_batches(batch.length[mine], self.micro_batch_tokens)] if len(mine) else []
+        if self.sharded:  # FSDP's collectives run in every forward and backward: the same count on every rank
+            groups += [None] * (self.ranks.max_(len(groups)) - len(groups))
         for rows in groups:
+            if rows is None:  # an empty micro-batch (FSDP): one row's forward and a zero backward
+                view = self._forward(self.policy, batch.select(torch.tensor([0])))
+                (view.logp.sum() * 0).backward()
+                continue
             sub = batch.select(rows)
             view = self._forward(self.policy, sub)
             if sub.anchor_logp is None:
@@ -268,12 +281,14 @@ class Learner:
             try:
                 loss, _ = self.objective(view, sub, totals=totals)
             except FloatingPointError:
-                skipped = True
+                skipped, loss = True, None
             t_objective += time.perf_counter() - t
             pieces.append((rows, TokenLogprobs(view.logp.detach(), None if view.head_logp is None else
                                                view.head_logp.detach(), view.entropy.detach())))
-            if skipped:
-                break
+            if loss is None:
+                if not self.sharded:
+                    break
+                loss = view.logp.sum() * 0  # FSDP's backward collectives still run; the step is skipped below
             loss.backward()
         skipped = self.ranks.any(skipped)  # every rank steps, or none does
         if skipped:  # a non-finite loss: no step; the metrics' view is the whole batch's, scored again
@@ -281,7 +296,8 @@ class Learner:
             with torch.no_grad():
                 whole = self._score(batch)
         else:
-            self.ranks.sum_gradients(p for p in self.policy.parameters() if p.requires_grad)
+            if not self.sharded:  # FSDP summed them in the backward
+                self.ranks.sum_gradients(p for p in self.policy.parameters() if p.requires_grad)
             pieces = [piece for share in self.ranks.gather(pieces) for piece in share]
             whole = _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
         anchored = batch if batch.anchor_logp is not None else batch.replace(anchor_logp=whole.logp)
@@ -305,7 +321,7 @@ class Learner:
         grad_norm = float("nan")
         if not skipped:
             params = [p for p in self.policy.parameters() if p.grad is not None]
-            grad_norm = float(torch.stack([p.grad.norm() for p in params]).norm()) if params else 0.0
+            grad_norm = float(torch.stack([_whole(p.grad.norm()) for p in params]).norm()) if params else 0.0
             if not math.isfinite(grad_norm):
                 skipped = True
             else:
@@ -342,21 +358,76 @@ class Learner:
 
     # ------------------------------------------------------------------ publishing and state
     def publish(self) -> Snapshot:
-        return Snapshot.of(self.policy, self.version)
+        """The trainer's weights for the rollout workers (under FSDP gathered whole: every rank calls it)."""
+        return Snapshot(full_state(self.policy), self.version) if self.sharded else Snapshot.of(self.policy, self.version)
+
+    def sharded_state(self) -> dict:
+        """Model and optimizer state as torch.distributed.checkpoint saves them (FQN keys; sharded under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.policy, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_sharded(self, checkpoint_id) -> None:
+        """Model and optimizer from a torch.distributed.checkpoint folder, resharded to this learner's ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self.sharded_state()  # templates: their shapes, shards and dtypes are what is loaded
+        stored = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+        for key, value in state["model"].items():  # DCP would cast into the template: refuse instead
+            meta = stored.get(f"model.{key}")
+            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            if isinstance(value, torch.Tensor) and dtype is not None and dtype != value.dtype:
+                raise ValueError(f"{checkpoint_id}: {key} was saved as {dtype}, this model holds {value.dtype}: "
+                                 "resume with the precision and model the run was saved with")
+        dcp.load(state, checkpoint_id=str(checkpoint_id))
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def state_dict(self) -> dict:
+        if self.sharded:
+            return {"model": full_state(self.policy), "optimizer": None, "version": self.version,
+                    "skipped_steps": self.skipped_steps, "versions": dict(self.versions)}
         return {"model": {k: v.detach().contiguous() for k, v in self.policy.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "version": self.version,
                 "skipped_steps": self.skipped_steps, "versions": dict(self.versions)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """``state["dcp"]``: a torch.distributed.checkpoint folder (any number of ranks wrote it) holding the model
+        and optimizer; otherwise ``model`` and ``optimizer`` as one process saves them."""
+        if state.get("dcp") is not None:
+            self.load_sharded(state["dcp"])
+        elif self.sharded:
+            self._load_whole(state["model"], state["optimizer"])
+        else:
+            self.policy.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base  # the schedule sets it again before each step
         self.version, self.skipped_steps = state["version"], state["skipped_steps"]
         self.versions = dict(state.get("versions", {}))
         self._remember()
+
+
+    def _load_whole(self, model: dict, optimizer: dict) -> None:
+        """A one-process checkpoint (whole tensors; optimizer state keyed by parameter index) into FSDP shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
+        ids = [i for group in optimizer["param_groups"] for i in group["params"]]
+        if len(ids) != len(names):
+            raise ValueError(f"the checkpoint's optimizer holds {len(ids)} parameters, the model {len(names)}")
+        fqn = dict(zip(ids, names))
+        optim = {"state": {fqn[i]: v for i, v in optimizer["state"].items()},
+                 "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in optimizer["param_groups"]]}
+        set_state_dict(self.policy, self.optimizer, model_state_dict=model, optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's value gathered (a norm over FSDP shards); a tensor as it is."""
+    full = getattr(value, "full_tensor", None)
+    return full() if full is not None else value
 
 
 def _combine(steps: list[dict]) -> dict:

@@ -81,6 +81,11 @@ class Run:
     def policy(self):
         return self.learner.policy
 
+    @property
+    def _evaluates(self) -> bool:
+        """Rank 0 evaluates; under FSDP every rank runs the evaluation's forwards with it (rank 0 writes)."""
+        return self.primary or getattr(self.learner, "sharded", False)
+
     # ------------------------------------------------------------------ one step
     @_reproducible
     def step(self) -> dict:
@@ -119,7 +124,7 @@ class Run:
                "collapsed": bool(self.best_reward_ema >= 0.1 and self.reward_ema < COLLAPSE_FRACTION * self.best_reward_ema)}
         self.step_index += 1
         metrics = {**learner, **rollout, **sources.get("queue", {}), **run}
-        if self.primary and (self.step_index % self.config.train.eval_every == 0
+        if self._evaluates and (self.step_index % self.config.train.eval_every == 0
                              or self.step_index == self.config.train.steps):
             t_eval = time.perf_counter()
             metrics.update(eval_reward=self._evaluate(), eval_s=time.perf_counter() - t_eval)
@@ -134,10 +139,12 @@ class Run:
         result = evaluate(self.policy, self.task, self.text, self.eval_problems,
                           max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL,
                           stop=tuple(self.config.rollout.stop))
+        self.last_eval = result["eval_reward"]
+        if not self.primary:
+            return self.last_eval
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / SAMPLES_FILE, "a") as f:
             f.writelines(json.dumps({"step": self.step_index, **s}, ensure_ascii=False) + "\n" for s in result["samples"])
-        self.last_eval = result["eval_reward"]
         return self.last_eval
 
     def _prompt_texts(self, batch) -> list[str] | None:
@@ -218,21 +225,28 @@ class Run:
 
     def _follow(self, resume: bool) -> Path:
         """A learner rank other than 0: the same steps (its share of each update), nothing written."""
+        cfg = self.config
         intact = checkpoint.newest_intact(self.dir) if resume and checkpoint.latest_checkpoint(self.dir) else None
         if intact is not None:
             self.load_checkpoint(*intact)
-        while self.step_index < self.config.train.steps:
+        elif self._evaluates:
+            self._evaluate()  # the initial evaluation's forwards (FSDP)
+        while self.step_index < cfg.train.steps:
             self.step()
+            if self.step_index % cfg.train.checkpoint_every == 0 or self.step_index == cfg.train.steps:
+                self.save_checkpoint()  # this rank's share of the model and optimizer (torch.distributed.checkpoint)
         return self.dir
 
     # ------------------------------------------------------------------ checkpoints
     @_reproducible
     def save_checkpoint(self) -> Path:
         learner = self.learner.state_dict()
+        sharded = self.learner.sharded_state() if self.ranks.distributed else None  # every rank writes its share
         sampler = self.source.sampler_snapshot()
         snapshots = self.source.snapshots()
         return checkpoint.save_checkpoint(
             self.dir, self.step_index, model=learner["model"], sampler=sampler.state, optimizer=learner["optimizer"],
+            sharded=sharded, ranks=self.ranks,
             state={"version": learner["version"], "sampler_version": sampler.version,
                    "skipped_steps": learner["skipped_steps"], "reward_ema": self.reward_ema,
                    "best_reward_ema": self.best_reward_ema, "last_eval": self.last_eval,
@@ -244,7 +258,7 @@ class Run:
     def load_checkpoint(self, path: Path, verified: dict | None = None) -> None:
         ckpt = checkpoint.load_checkpoint(path, verified=verified)
         state = ckpt["state"]
-        self.learner.load_state_dict({"model": ckpt["model"], "optimizer": ckpt["optimizer"],
+        self.learner.load_state_dict({"model": ckpt["model"], "optimizer": ckpt["optimizer"], "dcp": ckpt["dcp"],
                                       "version": state["version"], "skipped_steps": state["skipped_steps"],
                                       "versions": ckpt["versions"]})
         self.step_index = state["step"]

@@ -9,6 +9,15 @@ share of the rows, balanced by tokens. The gradient is summed across ranks (``SU
 batch's (``Totals``), so the summed gradient is the one-process gradient. The metrics come from
 every rank's detached log-probabilities, gathered. Rank 0 evaluates, logs and checkpoints.
 
+``train.parallel=fsdp`` shards the learner's parameters, gradients and optimizer state over the ranks
+with FSDP2 (``fully_shard``: one unit per decoder layer of a transformers model, whose layers are modules
+with their own forward, then the model; TinyLM's layers are read by its own forward, so it is one unit).
+FSDP reduce-scatters the gradient in the backward, summed (``set_force_sum_reduction_for_comms`` and a
+divide factor of 1: never a mean over ranks) since the loss already carries the whole batch's denominators.
+Its collectives run inside every forward and backward, so under fsdp every rank runs the same number of
+them: a rank with fewer micro-batches runs empty ones (a row's forward, its loss times zero), and every
+rank evaluates (rank 0 writes).
+
 The process group's backend is ``cpu:gloo,cuda:nccl`` (``gloo`` on a build without NCCL); every rank issues the same collectives in
 the same order (a rank with no rows still all-reduces a zero gradient).
 """
@@ -63,6 +72,21 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def max_(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        out = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out)
+
     def any(self, flag: bool) -> bool:
         return bool(self.sum_(torch.tensor([float(flag)])).item() > 0)
 
@@ -103,6 +127,51 @@ class Ranks:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def sharded(module) -> bool:
+    """Whether ``module`` is FSDP2-sharded (``fully_shard_policy``) anywhere in it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def decoder_layers(policy) -> list:
+    """The decoder layers FSDP wraps one by one: a transformers model's (``model.model.layers``); none for TinyLM."""
+    inner = getattr(policy, "model", None)
+    layers = getattr(getattr(inner, "model", None), "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def fully_shard_policy(policy, ranks: Ranks, precision: str = "fp32"):
+    """``policy`` sharded over ``ranks`` with FSDP2, its gradients summed across ranks; bf16: parameters
+    gathered in bfloat16, gradients reduced in float32 (the float32 master weights stay sharded)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if not ranks.distributed:
+        raise ValueError("train.parallel=fsdp shards over learner ranks: it needs train.learner_ranks > 1")
+    device = next(policy.parameters()).device.type
+    mesh = init_device_mesh(device, (ranks.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    for layer in decoder_layers(policy):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    root = policy.model if decoder_layers(policy) else policy  # what prefill / decode / forward call
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)  # SUM on every backend (gloo's AVG: pytorch #162338)
+            module.set_gradient_divide_factor(1.0)
+    return policy
+
+
+def full_state(module) -> dict:
+    """``module``'s state dict with every sharded tensor gathered whole (a collective under FSDP: every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in module.state_dict().items()}
 
 
 def shard_rows(lengths: torch.Tensor, world: int, rank: int) -> torch.Tensor:
