@@ -9,6 +9,8 @@
   where v is the version that generated the token and p_v the trainer's forward at v.
 - ``head_diagnostics``: how much of q and of p the sampler's top-k head holds, and how often
   the sampled token is inside it.
+- ``routing_diagnostics``: a mixture of experts' fourth source of disagreement, the experts the
+  sampler and the trainer select for the forward that gives each action token its probability.
 
 The Rényi divergence of order 2 is logged as ``renyi_d2 = log E_q[w²]`` (the plug-in estimate over
 the batch's sampled tokens of D2(p‖q) = log Σ_a p(a)²/q(a), [mismatch] Eq. 10): 0 when p = q, and
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from driftless.diagnostics.metrics import LOG_RATIO_CLAMP, masked_mean
+from driftless.diagnostics.metrics import LOG_RATIO_CLAMP, kl_k3, masked_mean
 
 RATIO_QUANTILES = {"ratio_p01": 0.01, "ratio_p50": 0.5, "ratio_p99": 0.99}
 RATIO_TAILS = {"ratio_frac_gt2": (">", 2.0), "ratio_frac_gt10": (">", 10.0), "ratio_frac_lt0p5": ("<", 0.5)}
@@ -83,3 +85,39 @@ def age_diagnostics(ages: torch.Tensor) -> dict[str, float]:
     if ages.numel() == 0:
         return {"sampler_age_p50": 0.0, "sampler_age_max": 0}
     return {"sampler_age_p50": float(ages.double().quantile(0.5)), "sampler_age_max": int(ages.max())}
+
+
+def routing_diagnostics(sampler_routes: torch.Tensor, trainer_routes: torch.Tensor, trainer_logp: torch.Tensor,
+                        sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Expert selection, sampler against trainer, at the input position whose forward scores each action
+    token (position j − 1 for the token at j; both routes ``[B, L, layers, k]``):
+
+    - ``routing_set_disagreement``: token-layers whose expert *sets* differ (and ``…_layer{i}`` per layer);
+    - ``routing_order_only``: token-layers with the same set in another order (harmless to the output up
+      to the order of a sum; counted apart);
+    - ``routing_token_any``: action tokens with a different set in at least one layer;
+    - ``routing_layers_per_token``: layers with a different set, per action token;
+    - ``kl_k3_routed_alike`` / ``kl_k3_routed_apart``: KL(q‖p) (k3) over the tokens routed alike in every
+      layer / differently in some, with ``routing_alike_fraction`` the first set's share."""
+    on = mask[:, 1:].bool()  # the token at j+1 is scored by the forward at input position j
+    sampler, trainer = sampler_routes[:, :-1][on].long(), trainer_routes[:, :-1][on].long()  # [N, layers, k]
+    out: dict[str, float] = {}
+    if sampler.numel() == 0:
+        return out
+    same_set = (sampler.sort(-1).values == trainer.sort(-1).values).all(-1)  # [N, layers]
+    same_order = (sampler == trainer).all(-1)
+    out["routing_set_disagreement"] = float((~same_set).double().mean())
+    out["routing_order_only"] = float((same_set & ~same_order).double().mean())
+    apart = (~same_set).any(-1)  # [N]
+    out["routing_token_any"] = float(apart.double().mean())
+    out["routing_layers_per_token"] = float((~same_set).double().sum(-1).mean())
+    for i in range(same_set.shape[1]):
+        out[f"routing_set_disagreement_layer{i}"] = float((~same_set[:, i]).double().mean())
+    # the per-token KL split by routing: tokens placed back in [B, L] masks
+    token_apart = torch.zeros_like(mask, dtype=torch.bool)
+    token_apart[:, 1:][on] = apart
+    alike_mask, apart_mask = mask.bool() & ~token_apart, mask.bool() & token_apart
+    out["routing_alike_fraction"] = float(alike_mask.sum()) / max(int(mask.bool().sum()), 1)
+    out["kl_k3_routed_alike"] = kl_k3(trainer_logp, sampler_logp, alike_mask.double())
+    out["kl_k3_routed_apart"] = kl_k3(trainer_logp, sampler_logp, apart_mask.double())
+    return out

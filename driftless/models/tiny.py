@@ -37,10 +37,14 @@ from driftless.ops.exact import (
     exact_attention,
     exact_causal_attention_grad,
     exact_linear,
+    exact_log_softmax,
+    exact_log_softmax_values,
     exact_rms_norm,
     exact_silu_mul,
+    exp32,
     hidden_slots,
     linear_weight,
+    substitute,
 )
 from driftless.ops.fuse import fused
 from driftless.ops.numerics import Numerics
@@ -60,6 +64,9 @@ class TinyLMConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    n_experts: int = 0  # 0: dense SwiGLU MLPs; else a mixture of this many SwiGLU experts (of d_ff each) per layer
+    experts_per_token: int = 2  # top-k of the softmax router (float32), no capacity drop
+    norm_topk_prob: bool = True  # the k gate weights renormalized to sum to 1 (Qwen3-MoE's default)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len"):
@@ -70,6 +77,11 @@ class TinyLMConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"TinyLMConfig.n_experts must be an integer >= 0, got {self.n_experts!r}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"TinyLMConfig.experts_per_token must be in [1, n_experts={self.n_experts}], "
+                             f"got {self.experts_per_token!r}")
         if (self.d_model // self.n_head) % 2:
             raise ValueError(f"head dimension d_model / n_head = {self.d_model // self.n_head} must be even (RoPE)")
 
@@ -197,9 +209,19 @@ class TinyLM(nn.Module):
             layer.wv = nn.Linear(c.d_model, c.n_kv_head * c.head_dim, bias=False)
             layer.wo = nn.Linear(c.n_head * c.head_dim, c.d_model, bias=False)
             layer.mlp_norm = nn.Parameter(torch.ones(c.d_model))
-            layer.w_gate = nn.Linear(c.d_model, c.d_ff, bias=False)
-            layer.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
-            layer.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
+            if c.n_experts:  # a mixture of experts: a router, then SwiGLU experts
+                layer.router = nn.Linear(c.d_model, c.n_experts, bias=False)
+                layer.experts = nn.ModuleList()
+                for _ in range(c.n_experts):
+                    expert = nn.Module()
+                    expert.w_gate = nn.Linear(c.d_model, c.d_ff, bias=False)
+                    expert.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
+                    expert.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
+                    layer.experts.append(expert)
+            else:
+                layer.w_gate = nn.Linear(c.d_model, c.d_ff, bias=False)
+                layer.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
+                layer.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
             self.layers.append(layer)
         self.final_norm = nn.Parameter(torch.ones(c.d_model))
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
@@ -208,6 +230,8 @@ class TinyLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.numerics: Numerics | None = None  # fake / native quantization of operands (ops.numerics)
         self.trace: list | None = None  # when a list, aligned forwards append (name, [B, T, ...] output)
+        self.routes: list | None = None  # when a list, MoE forwards append each layer's own top-k ids [B, T, k]
+        self.replay: torch.Tensor | None = None  # [B, T, layers, k] expert ids to use (R3; −1: the model's own)
         self._codes: dict = {}  # aligned GEMMs' weight layouts, keyed by the weights' identity and version
         self.aligned_gemm = None  # replaces the fixed-order GEMM (only the self-test's negative control does)
         self.execution = execution
@@ -346,7 +370,8 @@ class TinyLM(nn.Module):
             visible = (torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None])[:, None]
         record = self._record if aligned and self.trace is not None else None
         grad = aligned and torch.is_grad_enabled()  # a training forward: each aligned piece an autograd node
-        if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None:  # decode: the blocks
+        if aligned and t == 1 and not grad and self.numerics is None and self.aligned_gemm is None \
+                and not c.n_experts:  # decode: the blocks
             for i, layer in enumerate(self.layers):
                 x, h, qkv, attn, out, h2, gate_up, act, down = aligned_decode_layer(
                     x, cache.k[i], cache.v[i], positions, hidden, span, layer.attn_norm.detach(),
@@ -391,6 +416,15 @@ class TinyLM(nn.Module):
             out = self._linear(attn, layer.wo, aligned)
             x = x + out
             h = self._norm(x, layer.mlp_norm, aligned)
+            if c.n_experts:
+                down = self._moe(i, layer, h, aligned, grad)
+                x = x + down
+                if record:
+                    record(f"layer {i} attention", attn)
+                    record(f"layer {i} wo", out)
+                    record(f"layer {i} mlp_norm", h)
+                    record(f"layer {i} experts", down)
+                continue
             gate, up = self._linears(h, aligned, layer.w_gate, layer.w_up)
             if aligned:
                 act = aligned_silu_mul(gate, up) if grad else exact_silu_mul(gate, up)
@@ -411,6 +445,59 @@ class TinyLM(nn.Module):
             record("final_norm", x)
             record("lm_head", logits)
         return logits
+
+    def _moe(self, i: int, layer, h, aligned: bool, grad: bool):
+        """Layer ``i``'s mixture of experts on ``h [B, T, D]``: router logits, log-softmax over all experts
+        (float32), the top-k ids (or the replayed ones, ``self.replay``), gate weights gathered from the full
+        softmax at those ids (renormalized with ``norm_topk_prob``), so a replayed expert keeps the router's
+        gradient; each token's expert outputs added in expert-id order. Aligned: the fixed-order GEMM, the
+        exact log-softmax and exp, ties by the lower id, so a token's output is the same bits in any batch."""
+        c = self.config
+        b, t, d = h.shape
+        k = c.experts_per_token
+        flat = h.reshape(b * t, d)
+        logits = self._linear(flat, layer.router, aligned).float()  # [N, E]
+        if aligned:
+            logp = exact_log_softmax(logits) if grad else exact_log_softmax_values(logits)
+            own = torch.sort(logp.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+        else:
+            logp = F.log_softmax(logits, -1)
+            own = torch.topk(logp.detach(), k, dim=-1).indices
+        if self.routes is not None:
+            self.routes.append(own.view(b, t, k))
+        ids = own
+        if self.replay is not None:
+            wanted = self.replay[:, :t, i].reshape(b * t, k).long()
+            ids = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, own)
+        chosen = logp.gather(-1, ids)  # [N, k] log of the full softmax at the selected ids
+        weight = substitute(exp32(chosen.detach()), chosen.exp()) if aligned else chosen.exp()
+        if c.norm_topk_prob:
+            total = weight[:, 0]
+            for j in range(1, k):  # left to right: the same rounding for every token
+                total = total + weight[:, j]
+            weight = weight / total[:, None]
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(layer.experts):
+            hit = ids == e  # [N, k]; ids are unique within a token
+            rows = hit.any(-1).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            x_e = flat[rows]
+            gate, up = self._linears(x_e, aligned, expert.w_gate, expert.w_up)
+            if aligned:
+                act = aligned_silu_mul(gate, up) if grad else exact_silu_mul(gate, up)
+            else:
+                act = F.silu(gate) * up
+            y = self._linear(act, expert.w_down, aligned)
+            w_e = torch.where(hit[rows], weight[rows], 0.0).sum(-1)  # the one selected weight (+ zeros: exact)
+            out = out.index_add(0, rows, y * w_e[:, None])  # each row once per expert: in expert-id order
+        return out.view(b, t, d)
+
+    @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) for a mixture of experts; None for a dense model."""
+        c = self.config
+        return (c.n_layer, c.experts_per_token) if c.n_experts else None
 
     # ------------------------------------------------------------------ the Policy interface
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:

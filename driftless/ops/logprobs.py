@@ -28,6 +28,7 @@ class TokenLogprobs:
     logp: torch.Tensor  # log p(selected token)
     head_logp: torch.Tensor | None  # [B, L, k] log p at the sampler's head ids
     entropy: torch.Tensor  # H = -sum p log p
+    routes: torch.Tensor | None = None  # [B, L, layers, k] a mixture of experts' own expert ids per input position
 
     @property
     def sum_p_logp(self) -> torch.Tensor:

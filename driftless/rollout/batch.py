@@ -32,6 +32,9 @@ class RolloutBatch:
     created: torch.Tensor | None = None  # [B] float64 unix time the response finished
     enqueued: torch.Tensor | None = None  # [B] float64 unix time it entered a queue
     kv_version: torch.Tensor | None = None  # [B, L] oldest weight version in the cache each token's logits read
+    sampler_routes: torch.Tensor | None = None  # [B, L, layers, k] expert ids each MoE layer used at each input
+    #   position (the smallest integer dtype that holds them; −1 where no forward read the position)
+    n_experts: int | None = None  # the experts per MoE layer the routes index (checked when given)
     meta: dict = field(default_factory=dict)  # e.g. "refreshes": in-flight weight refresh events
 
     def __post_init__(self):
@@ -88,6 +91,35 @@ class RolloutBatch:
             need("kv_version", tuple(kv.shape) == (b, l) and kv.dtype == torch.int64, f"must be int64 [{b}, {l}]")
             need("kv_version", not bool((kv[on] > self.version[on]).any()),
                  "is newer than the version that sampled the token")
+
+        if self.sampler_routes is not None:
+            self._validate_routes(need, b, l)
+
+    def _validate_routes(self, need, b: int, l: int) -> None:
+        """Routes present at every position the trainer's forward reads (each row's positions before its last
+        token: the prompt and every fed action token), unique within a token-layer, in range."""
+        r = self.sampler_routes
+        need("sampler_routes", isinstance(r, torch.Tensor) and r.dim() == 4 and tuple(r.shape[:2]) == (b, l),
+             f"must be [{b}, {l}, layers, k] (batch first, then positions), got {tuple(getattr(r, 'shape', ()))}")
+        need("sampler_routes", not r.is_floating_point() and r.dtype != torch.bool,
+             f"must hold integer expert ids, got {r.dtype}")
+        read = torch.arange(l)[None, :] < (self.length[:, None] - 1)  # [B, L]
+        missing = read & ~(r >= 0).all(-1).all(-1)
+        if bool(missing.any()):
+            row, pos = (int(v) for v in missing.nonzero()[0])
+            need("sampler_routes", False, f"missing at row {row}, position {pos}: every position before a row's last "
+                 "token is read by the trainer's forward (a route layout shifted by a position looks like this)")
+        ids = r[read].long()  # [N, layers, k]
+        if ids.numel() and ids.shape[-1] > 1:
+            ordered = ids.sort(-1).values
+            repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1).any(-1)
+            if bool(repeated.any()):
+                row, pos = (int(v) for v in read.nonzero()[int(repeated.nonzero()[0])])
+                need("sampler_routes", False, f"repeats an expert within one token-layer at row {row}, position "
+                     f"{pos}: {r[row, pos].tolist()} (an engine returning all-zero ids looks like this)")
+        if self.n_experts is not None and ids.numel():
+            high = int(ids.max())
+            need("sampler_routes", high < self.n_experts, f"holds expert id {high}, the model has {self.n_experts}")
 
     # -------------------------------------------------------------- helpers
     @property

@@ -71,7 +71,8 @@ def prepare(engine, prompts, params: SamplingParams | None, max_new_tokens: int,
 
 
 def assemble(*, tokens, prompt_len, length, mask, logq, version, kv_version, params: SamplingParams, head_ids=None,
-             head_logp=None, group=None, meta: dict | None = None) -> RolloutBatch:
+             head_logp=None, group=None, meta: dict | None = None, sampler_routes=None,
+             n_experts: int | None = None) -> RolloutBatch:
     """The RolloutBatch of one generate call (stamped with the time it finished)."""
     b = tokens.shape[0]
     return RolloutBatch(
@@ -81,6 +82,7 @@ def assemble(*, tokens, prompt_len, length, mask, logq, version, kv_version, par
         sampler_topk_logp=None if head_logp is None else head_logp.contiguous(),
         group=torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
         created=torch.full((b,), time.time(), dtype=torch.float64), kv_version=kv_version.contiguous(),
+        sampler_routes=None if sampler_routes is None else sampler_routes.contiguous(), n_experts=n_experts,
         meta=meta or {})
 
 

@@ -20,6 +20,7 @@ Each refresh is an event in ``batch.meta["refreshes"]`` (step, old and new versi
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,35 @@ class _Decoded:
         "token": [], "logq": [], "active": [], "head_ids": [], "head_logp": [], "version": [], "kv_version": []})
     events: list[dict] = field(default_factory=list)
     end: torch.Tensor | None = None  # [B] each row's length
+    routes: torch.Tensor | None = None  # [B, total, layers, k] the MoE layers' expert ids per input position
+
+
+class _Routes:
+    """The expert ids a mixture-of-experts policy selects (``policy.route_shape``), recorded per input position
+    as its forwards run (−1 where none ran); a dense policy records nothing."""
+
+    def __init__(self, policy, rows: int, width: int):
+        self.policy, shape = policy, getattr(policy, "route_shape", None)
+        self.ids = None
+        if shape is not None:
+            layers, k = shape
+            dtype = torch.int8 if policy.config.n_experts <= 127 else torch.int16  # the smallest that holds them
+            self.ids = torch.full((rows, width, layers, k), -1, dtype=dtype)
+
+    @contextlib.contextmanager
+    def forward(self, positions: torch.Tensor, keep: torch.Tensor):
+        """Around one forward over ``positions [B, T]``; routes are kept where ``keep [B, T]``."""
+        if self.ids is None:
+            yield
+            return
+        self.policy.routes = []
+        try:
+            yield
+            got = torch.stack(self.policy.routes, 2).cpu()  # [B, T, layers, k]
+        finally:
+            self.policy.routes = None
+        rows = torch.arange(positions.shape[0])[:, None].expand_as(positions)
+        self.ids[rows[keep], positions[keep]] = got[keep].to(self.ids.dtype)
 
 
 def _device(policy) -> torch.device:
@@ -113,15 +143,18 @@ class Sampler(EndIds):
         ctx, total = policy.max_seq_len, tokens.shape[1]
         k = min(self.head_k, policy.vocab_size)
         device = _device(policy)  # the forwards run there; the bookkeeping stays on the CPU
+        out = _Decoded()
+        routes = _Routes(policy, b, total)  # a mixture of experts' selections, as the forwards make them
         cache = policy.new_cache(b)
-        prefill = policy.prefill(tokens[:, : int(plen.max())].to(device), plen.to(device), cache).cpu()  # [B, T, V]
+        span = torch.arange(int(plen.max()))[None, :].expand(b, -1)
+        with routes.forward(span, span < plen[:, None]):
+            prefill = policy.prefill(tokens[:, : int(plen.max())].to(device), plen.to(device), cache).cpu()  # [B, T, V]
         last = prefill[torch.arange(b), plen - 1]  # [B, V]
         last_version = self.version  # the weights that computed `last`
         kv_oldest = torch.full((b,), self.version, dtype=torch.long)  # oldest version in each row's cache
         pos = plen.clone()  # where each row's next token goes
         done = torch.zeros(b, dtype=torch.bool)
         seq = tokens.clone()  # prompt + what has been generated so far (for a recompute)
-        out = _Decoded()
         steps = out.steps
         while True:
             active = ~done & (pos < limit)
@@ -136,7 +169,11 @@ class Sampler(EndIds):
                     self.load(snapshot)
                     if refresh == "recompute":  # rebuild every row's cache under the new weights
                         cache = policy.new_cache(b)
-                        logits = policy.prefill(seq[:, : int(pos.max())].to(device), pos.to(device), cache).cpu()
+                        # each token keeps the routes of the forward that computed its logits: of the rebuilt
+                        # cache, only the last position's (the next token's) are new
+                        span = torch.arange(int(pos.max()))[None, :].expand(b, -1)
+                        with routes.forward(span, (span == (pos - 1)[:, None]) & active[:, None]):
+                            logits = policy.prefill(seq[:, : int(pos.max())].to(device), pos.to(device), cache).cpu()
                         last = logits[torch.arange(b), pos - 1]
                         last_version = self.version
                         kv_oldest = torch.full((b,), self.version, dtype=torch.long)
@@ -163,10 +200,13 @@ class Sampler(EndIds):
             if not (~done & (pos < limit)).any():
                 break
             # feed each row's new token at its position (finished rows feed junk into a slot they no longer read)
-            last = policy.decode(tok.to(device), torch.clamp(pos - 1, max=ctx - 1).to(device), cache).cpu()
+            fed = torch.clamp(pos - 1, max=ctx - 1)
+            with routes.forward(fed[:, None], active[:, None]):
+                last = policy.decode(tok.to(device), fed.to(device), cache).cpu()
             last_version = self.version
             kv_oldest = torch.clamp(kv_oldest, max=self.version)  # the slot just written holds this version
         out.end = pos
+        out.routes = routes.ids
         return out
 
     def _pack(self, tokens, plen, decoded: _Decoded, params: SamplingParams, group) -> RolloutBatch:
@@ -191,8 +231,10 @@ class Sampler(EndIds):
             head_ids = place(torch.where(act_k, torch.stack(steps["head_ids"], 1), 0), 0, torch.long, (k,))[:, :used]
             head_logp = place(torch.where(act_k, torch.stack(steps["head_logp"], 1), 0.0), 0.0, torch.float32,
                               (k,))[:, :used]
+        routes = {} if decoded.routes is None else {
+            "sampler_routes": decoded.routes[:, :used], "n_experts": int(self.policy.config.n_experts)}
         return assemble(
-            tokens=tokens[:, :used], prompt_len=plen, length=decoded.end, mask=place(act, False, torch.bool)[:, :used],
+            **routes, tokens=tokens[:, :used], prompt_len=plen, length=decoded.end, mask=place(act, False, torch.bool)[:, :used],
             logq=place(torch.where(act, torch.stack(steps["logq"], 1), 0.0), 0.0, torch.float32)[:, :used],
             version=place(torch.where(act, torch.stack(steps["version"], 1), -1), -1, torch.long)[:, :used],
             kv_version=place(torch.where(act, torch.stack(steps["kv_version"], 1), -1), -1, torch.long)[:, :used],

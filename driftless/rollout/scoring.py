@@ -5,6 +5,11 @@ The trainer runs one full forward over prompt + completion and applies the batch
 sampler's very function (``sampling_logprobs``), so both are bitwise equal at the same weights;
 otherwise, for a temperature-only transform, the chunked ``extract_logprobs`` (no fp32 copy of
 the whole log-softmax; real vocabularies are 150k tokens).
+
+A mixture-of-experts policy (``policy.route_shape``) reports the experts it selects itself at every
+input position (``TokenLogprobs.routes``); with ``routing="replay"`` (rollout routing replay, R3: Ma et
+al., arXiv 2510.11370) its forward uses the sampler's recorded ones (``batch.sampler_routes``) instead,
+the gate weights still the trainer's softmax over all experts at those ids.
 """
 
 from __future__ import annotations
@@ -15,15 +20,46 @@ from driftless.ops.logprobs import TokenLogprobs, extract_logprobs
 from driftless.rollout.batch import RolloutBatch
 from driftless.rollout.sampling import SamplingParams, entropy_from_logprobs, is_aligned, sampling_logprobs
 
+ROUTINGS = ("recompute", "replay")
+
+
+def routed_forward(policy, batch: RolloutBatch, routing: str = "recompute"):
+    """(logits ``[B, L-1, V]`` of ``policy`` over ``batch.tokens[:, :-1]``, the policy's own expert ids
+    ``[B, L, layers, k]`` at each input position, −1 at the last; None for a dense policy)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"train.routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    inputs = batch.tokens[:, :-1]
+    shape = getattr(policy, "route_shape", None)
+    if shape is None:
+        if routing == "replay":
+            raise ValueError("train.routing=replay needs a mixture-of-experts policy (model.n_experts > 0)")
+        return policy(inputs), None
+    if routing == "replay":
+        if batch.sampler_routes is None:
+            raise ValueError("train.routing=replay: the batch has no sampler_routes (the rollout engine recorded "
+                             "no expert ids)")
+        if tuple(batch.sampler_routes.shape[2:]) != tuple(shape):
+            raise ValueError(f"sampler_routes are [.., {list(batch.sampler_routes.shape[2:])}] (layers, k), the "
+                             f"policy routes {list(shape)}")
+        policy.replay = batch.sampler_routes[:, :-1].to(inputs.device)
+    policy.routes = []
+    try:
+        logits = policy(inputs)
+        own = torch.stack(policy.routes, 2)  # [B, L-1, layers, k]
+    finally:
+        policy.routes, policy.replay = None, None
+    routes = torch.cat([own, own.new_full((own.shape[0], 1, *own.shape[2:]), -1)], 1)
+    return logits, routes
+
 
 def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
-                transform: SamplingParams | None = None) -> TokenLogprobs:
+                transform: SamplingParams | None = None, routing: str = "recompute") -> TokenLogprobs:
     """``TokenLogprobs`` ``[B, L]`` aligned with ``batch.tokens`` (position 0 is zero)."""
     tokens = batch.tokens
     if tokens.shape[1] < 2:
         raise ValueError("batch.tokens needs at least 2 positions to score a completion")
     transform = transform or batch.sampling
-    logits = policy(tokens[:, :-1])  # [B, L-1, V]
+    logits, routes = routed_forward(policy, batch, routing)  # [B, L-1, V]
     b = tokens.shape[0]
     head_ids = batch.sampler_topk_ids
     if head_ids is not None and head_k is not None:
@@ -45,4 +81,5 @@ def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
     zero = logp.new_zeros(b, 1)  # position 0 is never an action
     if head is not None:
         head = torch.cat([head.new_zeros(b, 1, head.shape[-1]), head], dim=1)
-    return TokenLogprobs(logp=torch.cat([zero, logp], 1), head_logp=head, entropy=torch.cat([zero, entropy], 1))
+    return TokenLogprobs(logp=torch.cat([zero, logp], 1), head_logp=head, entropy=torch.cat([zero, entropy], 1),
+                         routes=routes)

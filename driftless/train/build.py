@@ -122,7 +122,8 @@ def tiny_config(config: RunConfig, vocab_size: int):
 
     m = config.model
     return TinyLMConfig(vocab_size=vocab_size, d_model=m.d_model, n_layer=m.n_layer, n_head=m.n_head,
-                        n_kv_head=m.n_kv_head, d_ff=m.d_ff, max_seq_len=m.max_seq_len)
+                        n_kv_head=m.n_kv_head, d_ff=m.d_ff, max_seq_len=m.max_seq_len, n_experts=m.n_experts,
+                        experts_per_token=m.experts_per_token, norm_topk_prob=m.norm_topk_prob)
 
 
 def _hf_policy(config: RunConfig, tok):
@@ -195,7 +196,7 @@ def learner(config: RunConfig, state: dict) -> Learner:
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
                    schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
                    decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep(),
-                   micro_batch_tokens=t.micro_batch_tokens, ranks=ranks, precision=t.precision)
+                   micro_batch_tokens=t.micro_batch_tokens, ranks=ranks, precision=t.precision, routing=t.routing)
 
 
 def device(config: RunConfig) -> torch.device:

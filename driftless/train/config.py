@@ -131,6 +131,9 @@ class ModelSection(_Section):
     n_kv_head: int = _positive(1)
     d_ff: int = _positive(512)
     max_seq_len: int = _positive(64)
+    n_experts: int = _at_least(0, 0)  # tiny only: 0 dense; else a mixture of this many SwiGLU experts per layer
+    experts_per_token: int = _positive(2)  # the router's top-k (a float32 softmax over all experts, no capacity drop)
+    norm_topk_prob: bool = True  # the k gate weights renormalized to sum to 1 (Qwen3-MoE's default)
     hf_path: str | None = None  # a local transformers directory; None = a tiny random Qwen3 config
     warm_start: bool = True  # tiny only: start from the cached supervised warm start
 
@@ -138,6 +141,12 @@ class ModelSection(_Section):
         super().__post_init__()
         if self.kind == "hf" and self.execution == "aligned":
             raise ValueError("model.execution 'aligned' needs model.kind 'tiny'")
+        if self.kind == "hf" and self.n_experts:
+            raise ValueError(f"model.n_experts={self.n_experts} builds TinyLM's mixture of experts (model.kind "
+                             "'tiny'); a transformers MoE checkpoint is read from model.hf_path as it is")
+        if self.n_experts and self.experts_per_token > self.n_experts:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token} must be at most model.n_experts="
+                             f"{self.n_experts}")
 
 
 @dataclass
@@ -272,6 +281,7 @@ class TrainSection(_Section):
     learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.ranks)
     parallel: Literal["ddp", "fsdp"] = "ddp"  # with learner_ranks > 1: whole copies, or FSDP2-sharded (train.shard)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # the learner's device; auto: cuda when available (aligned: cpu)
+    routing: Literal["recompute", "replay"] = "recompute"  # MoE: the trainer's own experts, or the sampler's (R3)
     loggers: list[LoggerName] = field(default_factory=lambda: ["jsonl"])
     trace: bool = False  # record every consumed batch under RUN/trace/ (driftless replay)
     learner_runtime: Literal["local", "ray"] = "local"  # ray: the learner in a Ray actor (rollout.runtime=ray)
@@ -383,6 +393,12 @@ def runtime_refusal(config: RunConfig) -> str | None:
                 f"(got {rt!r}); learner ranks as Ray actors are not built yet")
     if config.train.learner_runtime == "ray" and rt != "ray":
         return f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={rt!r}"
+    if t.routing == "replay" and not config.model.n_experts:
+        return ("train.routing=replay replays a mixture of experts' recorded expert ids: it needs model.n_experts "
+                f"> 0 (got {config.model.n_experts}, a dense model)")
+    if t.routing == "replay" and r.engine != "driftless":
+        return (f"train.routing=replay with rollout.engine={r.engine}: the installed engine returns no routed "
+                "experts to driftless; use rollout.engine=driftless")
     if r.engine == "vllm":
         if rt not in ("sync", "thread"):
             return (f"rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), "
@@ -416,6 +432,9 @@ def reproducible_refusal(config: RunConfig) -> str | None:
     if t.learner_ranks > 1:
         return (f"{lead}; train.learner_ranks={t.learner_ranks} sums gradients in the collective's own order: "
                 "use one learner rank")
+    if m.n_experts:
+        return (f"{lead}; model.n_experts={m.n_experts}: the mixture of experts' routing (sort, gather, index_add) "
+                "has no reproducible rules yet: use model.n_experts=0 or train.reproducible=false")
     if config.mismatch.trainer_numerics != "fp":
         return (f"{lead}; mismatch.trainer_numerics={config.mismatch.trainer_numerics!r} has no reproducible "
                 "backward yet: use fp")

@@ -24,10 +24,11 @@ import time
 
 import torch
 
-from driftless.diagnostics.evidence import age_diagnostics, eq1_decomposition, head_diagnostics
+from driftless.diagnostics.evidence import age_diagnostics, eq1_decomposition, head_diagnostics, routing_diagnostics
 from driftless.objectives.reductions import Totals
 from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
+from driftless.rollout.scoring import ROUTINGS
 from driftless.train.optim import ExactAdamW, ExactSGD
 from driftless.train.ranks import Ranks, full_state, shard_rows, sharded
 
@@ -58,12 +59,13 @@ def _assemble(pieces: list[tuple[torch.Tensor, TokenLogprobs]], rows: int, width
         first = getattr(pieces[0][1], name)
         if first is None:
             return None
-        out = first.new_zeros((rows, width, *first.shape[2:]))
+        out = first.new_full((rows, width, *first.shape[2:]), -1 if name == "routes" else 0)
         for index, view in pieces:
             value = getattr(view, name).detach()
             out[index, : value.shape[1]] = value
         return out
-    return TokenLogprobs(logp=place("logp"), head_logp=place("head_logp"), entropy=place("entropy"))
+    return TokenLogprobs(logp=place("logp"), head_logp=place("head_logp"), entropy=place("entropy"),
+                         routes=place("routes"))
 
 
 def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), *,
@@ -97,7 +99,7 @@ class Learner:
     def __init__(self, policy, objective, optimizer, *, grad_clip: float = 1.0, head_k: int | None = None,
                  ppo_epochs: int = 1, minibatches: int = 1, schedule: str = "constant", total_steps: int = 1,
                  decomposition: bool = True, keep_versions: int = 0, micro_batch_tokens: int | None = None,
-                 ranks: Ranks | None = None, precision: str = "fp32"):
+                 ranks: Ranks | None = None, precision: str = "fp32", routing: str = "recompute"):
         for name, value in (("ppo_epochs", ppo_epochs), ("minibatches", minibatches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
@@ -109,6 +111,11 @@ class Learner:
         if precision == "bf16" and getattr(policy, "execution", "fast") == "aligned":
             raise ValueError("train.precision=bf16 with aligned execution: aligned is float32 by construction")
         self.precision = precision
+        if routing not in ROUTINGS:
+            raise ValueError(f"train.routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        if routing == "replay" and getattr(policy, "route_shape", None) is None:
+            raise ValueError("train.routing=replay needs a mixture-of-experts policy (model.n_experts > 0)")
+        self.routing = routing  # a mixture of experts' selections: the trainer's own, or the sampler's (R3)
         self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.ranks)
         self.sharded = sharded(policy)  # FSDP2 (train.parallel=fsdp): collectives inside every forward / backward
         if self.sharded and decomposition and keep_versions:
@@ -195,6 +202,9 @@ class Learner:
         if start.head_logp is not None and batch.sampler_topk_ids is not None:
             out.update(head_diagnostics(batch.tokens, batch.sampler_topk_ids, batch.sampler_topk_logp,
                                         start.head_logp, mask))
+        if start.routes is not None and batch.sampler_routes is not None:
+            out.update(routing_diagnostics(batch.sampler_routes, start.routes, start.logp.detach(),
+                                           batch.sampler_logp, mask))
         if not self.decomposition:
             return out
         current_logp = start.logp.detach()
@@ -241,12 +251,12 @@ class Learner:
         """The trainer's scoring forward; bf16: the model's matrix products in bfloat16 under autocast, the
         weights, gradients and optimizer state float32, every log-probability float32."""
         if self.precision == "fp32":
-            return score_batch(policy, batch, head_k=self.head_k)
+            return score_batch(policy, batch, head_k=self.head_k, routing=self.routing)
         device = next(policy.parameters()).device.type
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            view = score_batch(policy, batch, head_k=self.head_k)
+            view = score_batch(policy, batch, head_k=self.head_k, routing=self.routing)
         return TokenLogprobs(view.logp.float(), None if view.head_logp is None else view.head_logp.float(),
-                             view.entropy.float())
+                             view.entropy.float(), view.routes)
 
     def _score(self, batch: RolloutBatch) -> TokenLogprobs:
         """The trainer's view of ``batch``, micro-batch by micro-batch when ``micro_batch_tokens`` is set."""
@@ -284,7 +294,7 @@ class Learner:
                 skipped, loss = True, None
             t_objective += time.perf_counter() - t
             pieces.append((rows, TokenLogprobs(view.logp.detach(), None if view.head_logp is None else
-                                               view.head_logp.detach(), view.entropy.detach())))
+                                               view.head_logp.detach(), view.entropy.detach(), view.routes)))
             if loss is None:
                 if not self.sharded:
                     break

@@ -51,7 +51,11 @@ REPRODUCIBLE_VERSION = 2  # bump when the reproducible recipe's bits change (its
 def cache_key(model_config: TinyLMConfig, task, ws: WarmStartConfig, max_new_tokens: int,
               reproducible: bool = False) -> str:
     task_cfg = asdict(task.config) if hasattr(task, "config") else {"max_operand": getattr(task, "max_operand", None)}
-    settings = {"model": asdict(model_config), "task": [task.name, task_cfg], "warm": asdict(ws),
+    model = asdict(model_config)
+    if not model_config.n_experts:  # a dense model: the key it had before mixtures of experts existed
+        for name in ("n_experts", "experts_per_token", "norm_topk_prob"):
+            model.pop(name)
+    settings = {"model": model, "task": [task.name, task_cfg], "warm": asdict(ws),
                 "max_new_tokens": max_new_tokens, "v": NUMERICS_VERSION}
     if reproducible:  # another recipe (aligned, exact AdamW, no momentum cycling), another model
         settings["reproducible"] = REPRODUCIBLE_VERSION

@@ -1,0 +1,268 @@
+"""Mixture of experts: TinyLM's MoE blocks, the sampler's recorded routes, routing replay (R3), the routing metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from driftless.diagnostics.evidence import routing_diagnostics
+from driftless.mismatch.views import parse_view
+from driftless.models import TinyLM, TinyLMConfig
+from driftless.rollout import Snapshot, score_batch
+from driftless.rollout.sampler import Sampler
+from driftless.rollout.sampling import SamplingParams
+
+CONFIG = {"vocab_size": 40, "d_model": 32, "n_layer": 2, "n_head": 2, "n_kv_head": 1, "d_ff": 32, "max_seq_len": 32}
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+
+
+def moe(execution="fast", n_experts=8, k=2, seed=0, **kw) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM(TinyLMConfig(**CONFIG, n_experts=n_experts, experts_per_token=k, **kw), execution=execution)
+    with torch.no_grad():  # a router with opinions: random init leaves it nearly uniform
+        for layer in model.layers:
+            layer.router.weight.mul_(40.0)
+    return model
+
+
+def sample(model, view=None, prompts=PROMPTS, new=8, seed=0):
+    sampler = Sampler(TinyLM(model.config, execution=model.execution), head_k=0,
+                      view=None if view is None else parse_view(view))
+    sampler.load(Snapshot.of(model, 0))
+    return sampler.generate(prompts, SamplingParams(), max_new_tokens=new, seed=seed)
+
+
+def reference_moe(layer, h, config, ids=None):
+    """The mixture written plainly, token by token: softmax over all experts, the top-k (or ``ids``), gate
+    weights from the full softmax at those ids, renormalized, the experts' SwiGLU outputs summed."""
+    probs = F.softmax(layer.router(h).float(), -1)
+    out = torch.zeros_like(h)
+    for n in range(h.shape[0]):
+        chosen = probs[n].topk(config.experts_per_token).indices if ids is None else ids[n]
+        weight = probs[n, chosen]
+        if config.norm_topk_prob:
+            weight = weight / weight.sum()
+        for w, e in zip(weight, chosen.tolist()):
+            ex = layer.experts[e]
+            out[n] += w * ex.w_down(F.silu(ex.w_gate(h[n])) * ex.w_up(h[n]))
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_mixture_is_the_plain_definition(norm):
+    model = moe(norm_topk_prob=norm)
+    h = torch.randn(2, 5, CONFIG["d_model"])
+    layer = model.layers[0]
+    model.routes = []
+    got = model._moe(0, layer, h, aligned=False, grad=False).reshape(10, -1)
+    own = model.routes[0].reshape(10, -1)
+    torch.testing.assert_close(got, reference_moe(layer, h.reshape(10, -1), model.config), rtol=1e-5, atol=1e-6)
+    # replayed ids: the same definition at those ids
+    other = torch.stack([torch.randperm(8)[:2] for _ in range(10)])
+    model.replay = other.view(2, 5, 1, 2).expand(2, 5, 2, 2)
+    got = model._moe(0, layer, h, aligned=False, grad=False).reshape(10, -1)
+    torch.testing.assert_close(got, reference_moe(layer, h.reshape(10, -1), model.config, other), rtol=1e-5,
+                               atol=1e-6)
+    assert (own.sort(-1).values != other.sort(-1).values).any()  # the replay did choose other experts
+
+
+def test_aligned_moe_is_batch_invariant_sampler_and_trainer_the_same_bits():
+    """Aligned MoE: the sampler's prefill + decode and the trainer's one forward, batched differently and
+    with other tokens per expert, give the same log-probabilities and the same routes, bit for bit."""
+    model = moe("aligned")
+    batch = sample(model)
+    assert batch.sampler_routes.dtype == torch.int8 and tuple(batch.sampler_routes.shape[2:]) == (2, 2)
+    view = score_batch(model, batch)
+    on = batch.action_mask
+    assert torch.equal(view.logp[on], batch.sampler_logp[on])
+    read = torch.arange(batch.tokens.shape[1])[None, :] < (batch.length[:, None] - 1)
+    assert torch.equal(view.routes[read].to(torch.int8), batch.sampler_routes[read])
+    alone = score_batch(model, batch.select([2]))  # one row alone: its own expert groups
+    assert torch.equal(alone.logp[0, : int(batch.length[2])], view.logp[2, : int(batch.length[2])])
+
+
+def test_fast_moe_disagrees_only_by_rounding_and_replay_of_its_own_routes_changes_nothing():
+    model = moe("fast")
+    batch = sample(model)
+    on = batch.action_mask
+    recompute = score_batch(model, batch)
+    replay = score_batch(model, batch, routing="replay")
+    assert float((recompute.logp.detach() - batch.sampler_logp)[on].abs().max()) < 1e-4
+    assert float((replay.logp - recompute.logp).detach()[on].abs().max()) < 1e-5
+
+
+def test_replaying_other_routes_changes_the_trainers_probabilities():
+    model = moe("fast")
+    batch = sample(model)
+    swapped = batch.sampler_routes.clone()
+    swapped[..., 0] = (swapped[..., 0] + 1) % 8  # another expert in every token-layer ...
+    clash = swapped[..., 0] == swapped[..., 1]
+    swapped[..., 0] = torch.where(clash, (swapped[..., 0] + 1) % 8, swapped[..., 0])  # ... still two distinct ones
+    swapped = torch.where(batch.sampler_routes >= 0, swapped, -1)
+    other = score_batch(model, batch.replace(sampler_routes=swapped), routing="replay")
+    own = score_batch(model, batch, routing="replay")
+    assert float((other.logp - own.logp).detach()[batch.action_mask].abs().max()) > 1e-3
+
+
+def test_a_replayed_expert_keeps_the_routers_gradient():
+    """R3's gate weights come from the trainer's full softmax at the replayed ids: an expert the trainer would
+    not pick still gets a nonzero weight, and the router a gradient through it (a post-top-k gather would give
+    it exactly zero)."""
+    model = moe("fast")
+    layer = model.layers[0]
+    h = torch.randn(1, 1, CONFIG["d_model"])
+    model.routes = []
+    with torch.no_grad():
+        model._moe(0, layer, h, aligned=False, grad=False)
+    own = set(model.routes[0].flatten().tolist())
+    outside = [e for e in range(8) if e not in own][:2]
+    model.routes = None
+    model.replay = torch.tensor(outside).view(1, 1, 1, 2).expand(1, 1, 2, 2)
+    out = model._moe(0, layer, h, aligned=False, grad=True)
+    out.pow(2).sum().backward()
+    router_grad = layer.router.weight.grad
+    assert router_grad is not None and float(router_grad[outside].abs().sum()) > 0
+    for e in range(8):  # only the replayed experts ran
+        used = layer.experts[e].w_up.weight.grad is not None and bool(layer.experts[e].w_up.weight.grad.any())
+        assert used == (e in outside), e
+
+
+@pytest.mark.parametrize("execution", ["fast", "aligned"])
+def test_the_router_gradient_of_replay_matches_the_plain_definition(execution):
+    model = moe(execution)
+    model.requires_grad_(True)
+    h = torch.randn(6, CONFIG["d_model"])
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(6)])
+    model.replay = ids.view(1, 6, 1, 2).expand(1, 6, 2, 2)
+    model._moe(0, model.layers[0], h[None], aligned=execution == "aligned", grad=True).sum().backward()
+    got = model.layers[0].router.weight.grad.clone()
+    model.zero_grad()
+    reference_moe(model.layers[0], h, model.config, ids).sum().backward()
+    torch.testing.assert_close(got, model.layers[0].router.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------- recorded routes, validated
+def test_a_shifted_or_transposed_route_layout_is_refused_by_name():
+    model = moe("fast")
+    batch = sample(model)
+    r = batch.sampler_routes
+    right = torch.cat([torch.full_like(r[:, :1], -1), r[:, :-1]], 1)  # a position late
+    with pytest.raises(ValueError, match=r"sampler_routes.*missing at row 0, position 0"):
+        batch.replace(sampler_routes=right)
+    left = torch.cat([r[:, 1:], torch.full_like(r[:, :1], -1)], 1)  # a position early
+    with pytest.raises(ValueError, match=r"sampler_routes.*missing at row \d+, position \d+"):
+        batch.replace(sampler_routes=left)
+    square = sample(model, prompts=[[1, 2]] * 4 + [[3]] * 6, new=8)  # B = L: sequence-first has the same shape
+    assert square.sampler_routes.shape[0] == square.sampler_routes.shape[1]
+    with pytest.raises(ValueError, match=r"sampler_routes.*missing at row"):
+        square.replace(sampler_routes=square.sampler_routes.transpose(0, 1).contiguous())
+
+
+def test_routes_that_repeat_an_expert_or_leave_the_range_are_refused():
+    batch = sample(moe("fast"))
+    with pytest.raises(ValueError, match=r"sampler_routes.*repeats an expert.*row 0, position 0"):
+        batch.replace(sampler_routes=torch.where(batch.sampler_routes >= 0, 0, -1).to(torch.int8))  # all-zero ids
+    high = batch.sampler_routes.clone()
+    high[0, 0, 0] = torch.tensor([3, 9], dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"sampler_routes.*expert id 9, the model has 8"):
+        batch.replace(sampler_routes=high)
+    with pytest.raises(ValueError, match=r"sampler_routes.*integer"):
+        batch.replace(sampler_routes=batch.sampler_routes.float())
+
+
+def test_a_dense_model_records_no_routes_and_refuses_replay():
+    torch.manual_seed(0)
+    dense = TinyLM(TinyLMConfig(**CONFIG))
+    batch = sample(dense)
+    assert batch.sampler_routes is None
+    assert score_batch(dense, batch).routes is None
+    with pytest.raises(ValueError, match="train.routing=replay needs a mixture-of-experts policy"):
+        score_batch(dense, batch, routing="replay")
+
+
+def test_in_flight_recompute_keeps_each_tokens_own_routes():
+    """A refresh with recompute rebuilds the cache under new weights: the positions already fed keep the
+    routes their logits were computed with; only the next token's position takes the new ones."""
+    model = moe("fast")
+    newer = moe("fast", seed=1)
+    sampler = Sampler(TinyLM(model.config), head_k=0)
+    sampler.load(Snapshot.of(model, 0))
+    calls = iter([Snapshot.of(newer, 1)])
+    batch = sampler.generate(PROMPTS, SamplingParams(), max_new_tokens=8, seed=0, weights=lambda: next(calls, None),
+                             refresh="recompute", refresh_every=3)
+    assert batch.meta["refreshes"] and batch.meta["refreshes"][0]["step"] == 3
+    old = sample(model)  # the same seed without a refresh: the first three tokens are the same draws
+    rebuilt = score_batch(newer, batch).routes  # the new weights' forward over the same tokens
+    for row in range(len(PROMPTS)):
+        fed = int(batch.prompt_len[row]) + 2  # the prompt and two action tokens were fed before the refresh
+        assert torch.equal(batch.sampler_routes[row, :fed], old.sampler_routes[row, :fed]), row
+        assert torch.equal(batch.sampler_routes[row, fed].long(), rebuilt[row, fed]), row  # the next token's: new
+
+
+# -------------------------------------------------------------------------------- metrics
+def test_routing_metrics_count_sets_orders_tokens_and_split_the_kl():
+    b, l = 1, 4
+    sampler = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 1], [2, 3]], [[-1, -1], [-1, -1]]]])
+    trainer = torch.tensor([[[[1, 0], [2, 3]], [[0, 4], [2, 3]], [[0, 1], [3, 2]], [[-1, -1], [-1, -1]]]])
+    mask = torch.tensor([[False, True, True, True]])  # scored by input positions 0, 1, 2
+    logq = torch.zeros(b, l)
+    logp = torch.tensor([[0.0, 0.0, -0.5, 0.0]])  # only the token routed apart disagrees
+    got = routing_diagnostics(sampler, trainer, logp, logq, mask)
+    assert got["routing_set_disagreement"] == pytest.approx(1 / 6)
+    assert got["routing_order_only"] == pytest.approx(2 / 6)  # position 0 layer 0, position 2 layer 1
+    assert got["routing_token_any"] == pytest.approx(1 / 3)
+    assert got["routing_layers_per_token"] == pytest.approx(1 / 3)
+    assert got["routing_set_disagreement_layer0"] == pytest.approx(1 / 3)
+    assert got["routing_set_disagreement_layer1"] == 0.0
+    assert got["routing_alike_fraction"] == pytest.approx(2 / 3)
+    assert got["kl_k3_routed_alike"] == 0.0
+    assert got["kl_k3_routed_apart"] == pytest.approx(float(torch.tensor(-0.5).expm1() + 0.5))
+
+
+def test_a_noisy_sampler_flips_routes_and_the_metrics_see_it():
+    model = moe("fast")
+    batch = sample(model, view="noise:0.3")
+    view = score_batch(model, batch)
+    got = routing_diagnostics(batch.sampler_routes, view.routes, view.logp, batch.sampler_logp, batch.action_mask)
+    assert 0.05 < got["routing_set_disagreement"] < 1 and got["routing_token_any"] >= got["routing_set_disagreement"]
+    clean = score_batch(model, sample(model))
+    assert routing_diagnostics(sample(model).sampler_routes, clean.routes, clean.logp, clean.logp,
+                               sample(model).action_mask)["routing_set_disagreement"] == 0.0
+
+
+# -------------------------------------------------------------------------------- the run
+SMALL = ["task.name=first-token", "model.d_model=32", "model.n_layer=2", "model.n_head=2",
+         "model.d_ff=32", "model.max_seq_len=32", "model.n_experts=4", "model.warm_start=false",
+         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
+         "train.eval_every=2", "train.eval_problems=8", "train.checkpoint_every=2", "train.progress=false",
+         "mismatch.view=noise:0.3"]
+
+
+@pytest.mark.parametrize("routing", ["recompute", "replay"])
+def test_a_moe_run_trains_and_logs_its_routing(tmp_path, routing):
+    from driftless.train import load_config
+    from driftless.train.loop import train
+
+    config = load_config(None, [*SMALL, f"train.routing={routing}", "train.micro_batch_tokens=64"])
+    run = train(config, tmp_path / "run", progress=False)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(line["grad_norm"] > 0 for line in lines)
+    assert all(0 < line["routing_set_disagreement"] < 1 for line in lines)
+    assert {"routing_token_any", "kl_k3_routed_alike", "kl_k3_routed_apart", "routing_set_disagreement_layer1"} \
+        <= lines[0].keys()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["train.routing=replay", "model.n_experts=0"], "needs model.n_experts > 0"),
+    (["model.kind=hf", "model.n_experts=4"], "model.n_experts=4 builds TinyLM's mixture"),
+    (["model.n_experts=4", "model.experts_per_token=5"], "experts_per_token=5 must be at most"),
+    (["model.n_experts=4", "model.execution=aligned", "train.reproducible=true"], "model.n_experts=4: the mixture"),
+])
+def test_moe_settings_that_cannot_be_honoured_are_refused_by_name(overrides, match):
+    from driftless.train import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(None, overrides)
