@@ -246,7 +246,9 @@ def test_a_moe_run_trains_and_logs_its_routing(tmp_path, routing):
     from driftless.train import load_config
     from driftless.train.loop import train
 
-    config = load_config(None, [*SMALL, f"train.routing={routing}", "train.micro_batch_tokens=64"])
+    warm = ["model.warm_start=true", "warm_start.steps=10", "warm_start.eval_problems=8",  # a short supervised
+            f"warm_start.cache_dir={tmp_path / 'ws'}"] if routing == "replay" else []      # warm start of a mixture
+    config = load_config(None, [*SMALL, f"train.routing={routing}", "train.micro_batch_tokens=64", *warm])
     run = train(config, tmp_path / "run", progress=False)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(line["grad_norm"] > 0 for line in lines)

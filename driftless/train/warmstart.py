@@ -101,7 +101,10 @@ def _warm_start(model_config, task, tokenizer, ws, *, max_new_tokens, cache_dir,
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: one_cycle(step, ws.steps))
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.95))
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=ws.steps, pct_start=0.05)
+        if 0.05 * ws.steps >= 2:
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=ws.steps, pct_start=0.05)
+        else:  # torch's OneCycleLR divides by a zero-length warm-up under 40 steps: the same curve, no momentum cycling
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: one_cycle(step, ws.steps))
     rng = random.Random(ws.seed)
     t0 = time.time()
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
