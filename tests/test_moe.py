@@ -268,3 +268,49 @@ def test_moe_settings_that_cannot_be_honoured_are_refused_by_name(overrides, mat
 
     with pytest.raises(ValueError, match=match):
         load_config(None, overrides)
+
+
+# -------------------------------------------------------------------------------- a transformers MoE checkpoint
+def tiny_qwen3_moe(tmp_path):
+    """A Qwen3-MoE checkpoint directory in the real format (config, safetensors), from a tiny local config."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.weight.normal_(0, 1.0)  # a router with opinions
+    model.save_pretrained(tmp_path / "qwen3-moe")
+    return tmp_path / "qwen3-moe"
+
+
+def test_a_transformers_moe_checkpoint_records_and_replays_routes_through_its_routers(tmp_path):
+    from driftless.models.hf import HFPolicy
+
+    path = tiny_qwen3_moe(tmp_path)
+    policy = HFPolicy(path)
+    assert policy.route_shape == (2, 2) and policy.n_experts == 8
+    sampler = Sampler(HFPolicy(path), head_k=0)
+    sampler.load(Snapshot.of(policy, 0))
+    batch = sampler.generate(PROMPTS, SamplingParams(), max_new_tokens=6, seed=0)
+    assert batch.sampler_routes is not None and batch.n_experts == 8
+    on = batch.action_mask
+    own = score_batch(policy, batch)
+    read = torch.arange(batch.tokens.shape[1])[None, :] < (batch.length[:, None] - 1)
+    agree = (own.routes[read].sort(-1).values == batch.sampler_routes[read].long().sort(-1).values).all(-1)
+    assert float(agree.double().mean()) > 0.95  # the same weights: routes differ at most where rounding ties
+    replay = score_batch(policy, batch, routing="replay")
+    assert float((replay.logp - batch.sampler_logp).detach()[on].abs().max()) < 1e-4
+    # other routes replayed: other probabilities, and the router's gradient through the full softmax
+    swapped = torch.where(batch.sampler_routes >= 0, (batch.sampler_routes + 3) % 8, -1)
+    other = score_batch(policy, batch.replace(sampler_routes=swapped), routing="replay")
+    assert float((other.logp - replay.logp).detach()[on].abs().max()) > 1e-3
+    other.logp[on].sum().backward()
+    gate = policy.model.model.layers[0].mlp.gate.weight
+    assert gate.grad is not None and float(gate.grad.abs().sum()) > 0
+    assert policy.routes is None and policy.replay is None  # nothing left behind for the next forward

@@ -61,6 +61,53 @@ class HFPolicy(nn.Module):
         self._max_seq_len = max_seq_len or context  # sequences are capped here (model.max_seq_len)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.routes: list | None = None  # when a list, each MoE router's own top-k ids [B, T, k] are appended
+        self.replay: torch.Tensor | None = None  # [B, T, layers, k] expert ids to use instead (R3; −1: its own)
+        self._routers = self._hook_routers()
+        self._shape = None  # (B, T) of the forward running now: the routers see [B·T, D]
+
+    # ------------------------------------------------------------------ mixture of experts
+    def _hook_routers(self) -> list:
+        """The top-k routers of a mixture-of-experts checkpoint (transformers 5's ``mlp.gate`` modules with
+        ``top_k`` and ``num_experts``, returning (logits, weights, ids): Qwen3-MoE, OLMoE, Mixtral), each given a
+        forward hook that records its ids and, under replay, swaps in the recorded ones with the gate weights
+        recomputed from its full softmax. Nothing in transformers is patched."""
+        routers = [m for name, m in self.model.named_modules()
+                   if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(self._route_hook(layer, router))
+        return routers
+
+    def _route_hook(self, layer: int, router):
+        def hook(module, inputs, output):
+            if self.routes is None and self.replay is None:
+                return None
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not (logits, weights, "
+                                "ids): this transformers version's router is not supported for routes")
+            logits, weights, ids = output
+            b, t = self._shape
+            if self.routes is not None:
+                self.routes.append(ids.detach().view(b, t, -1))
+            if self.replay is None:
+                return None
+            wanted = self.replay[:, :t, layer].reshape(b * t, -1).to(ids.device).long()
+            ids = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, ids)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the full softmax: the router's gradient
+            weights = probs.gather(-1, ids)
+            if getattr(router, "norm_topk_prob", False):
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), ids
+        return hook
+
+    @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) of a mixture-of-experts checkpoint; None for a dense one."""
+        return (len(self._routers), int(self._routers[0].top_k)) if self._routers else None
+
+    @property
+    def n_experts(self) -> int:
+        return int(self._routers[0].num_experts) if self._routers else 0
 
     @property
     def config(self):
@@ -84,6 +131,7 @@ class HFPolicy(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self._check(tokens)
+        self._shape = tuple(tokens.shape)
         return self.model(input_ids=tokens.long(), use_cache=False).logits.float()
 
     def _cache_of(self, out):
@@ -97,6 +145,7 @@ class HFPolicy(nn.Module):
         t = tokens.shape[1]
         mask = (torch.arange(t, device=tokens.device)[None, :] < lengths[:, None]).long()
         positions = torch.arange(t, device=tokens.device)[None, :].expand(tokens.shape[0], t)
+        self._shape = tuple(tokens.shape)
         out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True)
         cache.past, cache.mask = self._cache_of(out), mask
         return out.logits.float()
@@ -104,6 +153,7 @@ class HFPolicy(nn.Module):
     def decode(self, tokens, positions, cache: HFCache):
         cache.mask = torch.cat([cache.mask, torch.ones(cache.mask.shape[0], 1, dtype=torch.long,
                                                            device=cache.mask.device)], dim=1)
+        self._shape = (tokens.shape[0], 1)
         out = self.model(input_ids=tokens[:, None].long(), attention_mask=cache.mask,
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)

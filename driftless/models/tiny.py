@@ -494,6 +494,10 @@ class TinyLM(nn.Module):
         return out.view(b, t, d)
 
     @property
+    def n_experts(self) -> int:
+        return self.config.n_experts
+
+    @property
     def route_shape(self) -> tuple[int, int] | None:
         """(MoE layers, experts per token) for a mixture of experts; None for a dense model."""
         c = self.config

@@ -54,7 +54,7 @@ class _Routes:
         self.ids = None
         if shape is not None:
             layers, k = shape
-            dtype = torch.int8 if policy.config.n_experts <= 127 else torch.int16  # the smallest that holds them
+            dtype = torch.int8 if policy.n_experts <= 127 else torch.int16  # the smallest that holds them
             self.ids = torch.full((rows, width, layers, k), -1, dtype=dtype)
 
     @contextlib.contextmanager
@@ -232,7 +232,7 @@ class Sampler(EndIds):
             head_logp = place(torch.where(act_k, torch.stack(steps["head_logp"], 1), 0.0), 0.0, torch.float32,
                               (k,))[:, :used]
         routes = {} if decoded.routes is None else {
-            "sampler_routes": decoded.routes[:, :used], "n_experts": int(self.policy.config.n_experts)}
+            "sampler_routes": decoded.routes[:, :used], "n_experts": int(self.policy.n_experts)}
         return assemble(
             **routes, tokens=tokens[:, :used], prompt_len=plen, length=decoded.end, mask=place(act, False, torch.bool)[:, :used],
             logq=place(torch.where(act, torch.stack(steps["logq"], 1), 0.0), 0.0, torch.float32)[:, :used],

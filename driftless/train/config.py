@@ -393,7 +393,7 @@ def runtime_refusal(config: RunConfig) -> str | None:
                 f"(got {rt!r}); learner ranks as Ray actors are not built yet")
     if config.train.learner_runtime == "ray" and rt != "ray":
         return f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={rt!r}"
-    if t.routing == "replay" and not config.model.n_experts:
+    if t.routing == "replay" and config.model.kind == "tiny" and not config.model.n_experts:
         return ("train.routing=replay replays a mixture of experts' recorded expert ids: it needs model.n_experts "
                 f"> 0 (got {config.model.n_experts}, a dense model)")
     if t.routing == "replay" and r.engine != "driftless":
