@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     mt.add_argument("--prompts", type=int, default=32)
     mt.add_argument("--max-new-tokens", type=int, default=24)
     mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--experts", type=int, default=0,
+                    help="a mixture-of-experts TinyLM with this many experts (top-2): adds the routing columns "
+                         "(expert sets flipped, tokens touched, KL with routing replay; docs/moe.md)")
     mt.add_argument("--engine", choices=("driftless", "vllm"), default="driftless",
                     help="the sampler: the built-in one (TinyLM) or a vLLM engine (tiny Qwen3; docs/vllm.md)")
     mt.add_argument("--json", action="store_true")
@@ -217,7 +220,7 @@ def _mismatch_table(args) -> int:
 
     result = run_table(model_path=args.model, kinds=tuple(args.kinds) if args.kinds else None,
                        num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                       engine=args.engine)
+                       engine=args.engine, n_experts=args.experts)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

@@ -314,3 +314,17 @@ def test_a_transformers_moe_checkpoint_records_and_replays_routes_through_its_ro
     gate = policy.model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and float(gate.grad.abs().sum()) > 0
     assert policy.routes is None and policy.replay is None  # nothing left behind for the next forward
+
+
+def test_the_mismatch_table_reports_route_flips_and_the_kl_replay_leaves():
+    from driftless.experiments.mismatch_table import format_table, run_table
+
+    result = run_table(kinds=("none", "w8a8", "noise:0.02"), num_prompts=8, max_new_tokens=8, n_experts=8)
+    none, w8a8, noise = (result["kinds"][k] for k in ("none", "w8a8", "noise:0.02"))
+    assert none["routing_set_disagreement"] == 0.0 and none["kl_k3_replay"] < 1e-9
+    for row in (w8a8, noise):
+        assert 0 < row["routing_set_disagreement"] <= row["routing_token_any"] < 1
+        assert row["kl_k3_replay"] < row["kl_k3"] / 2  # on this peaked random mixture replay removes most of it
+    assert "KL with routing replay" in format_table(result)
+    with pytest.raises(ValueError, match="--experts builds a random"):
+        run_table(model_path="model.safetensors", n_experts=8)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from driftless.diagnostics.evidence import routing_diagnostics
 from driftless.diagnostics.metrics import kl_k3, masked_mean
 from driftless.mismatch import parse_view
 from driftless.rollout import Sampler, SamplingParams, Snapshot, score_batch
@@ -61,17 +62,24 @@ def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=3
         view = score_batch(trainer, batch)
     m = batch.action_mask
     mask = m.double()
-    return {
+    row = {
         "tokens": int(m.sum()),
         "kl_k3": kl_k3(view.logp, batch.sampler_logp, mask),
         "max_abs_logp_diff": float((view.logp[m] - batch.sampler_logp[m]).abs().max()),
         "sampler_head_mass": masked_mean(batch.sampler_topk_logp.exp().sum(-1), mask),
         "trainer_head_mass": masked_mean(view.head_logp.exp().sum(-1), mask),
     }
+    if batch.sampler_routes is not None:  # a mixture of experts: how often the routes flip, and replay's KL
+        routing = routing_diagnostics(batch.sampler_routes, view.routes, view.logp, batch.sampler_logp, m)
+        row.update({k: routing[k] for k in ("routing_set_disagreement", "routing_token_any")})
+        with torch.no_grad():
+            replayed = score_batch(trainer, batch, routing="replay")
+        row["kl_k3_replay"] = kl_k3(replayed.logp, batch.sampler_logp, mask)
+    return row
 
 
 def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24, head_k=32, seed=0,
-              execution="fast", engine="driftless") -> dict:
+              execution="fast", engine="driftless", n_experts: int = 0) -> dict:
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
     if engine == "vllm":
@@ -80,13 +88,15 @@ def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24,
     if engine != "driftless":
         raise ValueError(f"engine must be 'driftless' or 'vllm', got {engine!r}")
     kinds = kinds or DEFAULT_KINDS
+    if model_path is not None and n_experts:
+        raise ValueError("--experts builds a random mixture-of-experts TinyLM; a --model file brings its own")
     if model_path is not None:
         base, _ = load_model(model_path)
         config, state = base.config, base.state_dict()
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(2, config.vocab_size, (6,), generator=g).tolist() for _ in range(num_prompts)]
     else:
-        config = TinyLMConfig(init_std=0.1)  # a peaked random model: a uniform one hides mismatch
+        config = TinyLMConfig(init_std=0.1, n_experts=n_experts)  # peaked random: a uniform one hides mismatch
         base = TinyLM(config)
         base.reset_parameters(seed=seed)
         state = base.state_dict()
@@ -97,7 +107,8 @@ def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24,
         m = TinyLM(config, execution=execution)
         m.load_state_dict(state)
         return m
-    return {"model": str(model_path or f"random TinyLM (init_std 0.1, seed {seed})"), "head_k": head_k,
+    moe = f", {n_experts} experts top-{config.experts_per_token}" if n_experts else ""
+    return {"model": str(model_path or f"random TinyLM (init_std 0.1{moe}, seed {seed})"), "head_k": head_k,
             "kinds": {k: measure_view(make, k, prompts, max_new_tokens=max_new_tokens, head_k=head_k, seed=seed)
                       for k in kinds}}
 
@@ -127,12 +138,18 @@ def _run_vllm_table(*, model_path, kinds, num_prompts, max_new_tokens, head_k, s
 
 def format_table(result: dict) -> str:
     k = result["head_k"]
-    lines = [f"| mismatch | tokens | mean KL(q‖p) (k3) | max abs Δ log p | sampler top-{k} mass | trainer mass on it |",
-             "|---|---|---|---|---|---|"]
+    moe = any("routing_set_disagreement" in r for r in result["kinds"].values())
+    extra = " expert sets flipped | tokens with a flip | KL with routing replay |" if moe else ""
+    lines = [f"| mismatch | tokens | mean KL(q‖p) (k3) | max abs Δ log p | sampler top-{k} mass | trainer mass on it |"
+             + extra, "|---|---|---|---|---|---|" + ("---|---|---|" if moe else "")]
     for kind, r in result["kinds"].items():
         if "unavailable" in r:
-            lines.append(f"| `{kind}` | unavailable here: {r['unavailable']} | | | | |")
+            lines.append(f"| `{kind}` | unavailable here: {r['unavailable']} | | | | |" + (" | | |" if moe else ""))
             continue
-        lines.append(f"| `{kind}` | {r['tokens']} | {r['kl_k3']:.3e} | {r['max_abs_logp_diff']:.3e} | "
-                     f"{r['sampler_head_mass']:.4f} | {r['trainer_head_mass']:.4f} |")
+        line = (f"| `{kind}` | {r['tokens']} | {r['kl_k3']:.3e} | {r['max_abs_logp_diff']:.3e} | "
+                f"{r['sampler_head_mass']:.4f} | {r['trainer_head_mass']:.4f} |")
+        if moe:
+            line += (f" {r['routing_set_disagreement']:.3f} | {r['routing_token_any']:.3f} | "
+                     f"{r['kl_k3_replay']:.3e} |")
+        lines.append(line)
     return "\n".join(lines)
