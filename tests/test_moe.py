@@ -328,3 +328,21 @@ def test_the_mismatch_table_reports_route_flips_and_the_kl_replay_leaves():
     assert "KL with routing replay" in format_table(result)
     with pytest.raises(ValueError, match="--experts builds a random"):
         run_table(model_path="model.safetensors", n_experts=8)
+
+
+def test_a_copied_transformers_moe_policy_routes_through_its_own_hooks(tmp_path):
+    """The Eq. 1 scorer and the clean evaluator are deep copies: their routers' hooks must read the copy."""
+    import copy
+
+    from driftless.models.hf import HFPolicy
+
+    policy = HFPolicy(tiny_qwen3_moe(tmp_path))
+    sampler = Sampler(HFPolicy(tiny_qwen3_moe(tmp_path)), head_k=0)
+    sampler.load(Snapshot.of(policy, 0))
+    batch = sampler.generate(PROMPTS, SamplingParams(), max_new_tokens=4, seed=0)
+    twin = copy.deepcopy(policy)
+    swapped = batch.replace(sampler_routes=torch.where(batch.sampler_routes >= 0, (batch.sampler_routes + 3) % 8, -1))
+    with torch.no_grad():
+        a = score_batch(policy, swapped, routing="replay")
+        b = score_batch(twin, swapped, routing="replay")
+    assert b.routes is not None and torch.equal(a.logp, b.logp) and torch.equal(a.routes, b.routes)

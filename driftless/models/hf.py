@@ -70,35 +70,13 @@ class HFPolicy(nn.Module):
     def _hook_routers(self) -> list:
         """The top-k routers of a mixture-of-experts checkpoint (transformers 5's ``mlp.gate`` modules with
         ``top_k`` and ``num_experts``, returning (logits, weights, ids): Qwen3-MoE, OLMoE, Mixtral), each given a
-        forward hook that records its ids and, under replay, swaps in the recorded ones with the gate weights
-        recomputed from its full softmax. Nothing in transformers is patched."""
+        forward hook (``_RouteHook``) that records its ids and, under replay, swaps in the recorded ones with the
+        gate weights recomputed from its full softmax. Nothing in transformers is patched."""
         routers = [m for name, m in self.model.named_modules()
                    if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
         for layer, router in enumerate(routers):
-            router.register_forward_hook(self._route_hook(layer, router))
+            router.register_forward_hook(_RouteHook(self, layer))
         return routers
-
-    def _route_hook(self, layer: int, router):
-        def hook(module, inputs, output):
-            if self.routes is None and self.replay is None:
-                return None
-            if not (isinstance(output, tuple) and len(output) == 3):
-                raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not (logits, weights, "
-                                "ids): this transformers version's router is not supported for routes")
-            logits, weights, ids = output
-            b, t = self._shape
-            if self.routes is not None:
-                self.routes.append(ids.detach().view(b, t, -1))
-            if self.replay is None:
-                return None
-            wanted = self.replay[:, :t, layer].reshape(b * t, -1).to(ids.device).long()
-            ids = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, ids)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the full softmax: the router's gradient
-            weights = probs.gather(-1, ids)
-            if getattr(router, "norm_topk_prob", False):
-                weights = weights / weights.sum(-1, keepdim=True)
-            return logits, weights.to(logits.dtype), ids
-        return hook
 
     @property
     def route_shape(self) -> tuple[int, int] | None:
@@ -158,6 +136,35 @@ class HFPolicy(nn.Module):
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)
         return out.logits[:, -1].float()
+
+
+class _RouteHook:
+    """A router's forward hook. An object, not a closure: ``copy.deepcopy`` of the policy (the Eq. 1 scorer, the
+    clean evaluator) copies it with the policy, so the copy's hooks read the copy's ``routes`` and ``replay``."""
+
+    def __init__(self, policy: HFPolicy, layer: int):
+        self.policy, self.layer = policy, layer
+
+    def __call__(self, module, inputs, output):
+        policy = self.policy
+        if policy.routes is None and policy.replay is None:
+            return None
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not (logits, weights, ids): "
+                            "this transformers version's router is not supported for routes")
+        logits, weights, ids = output
+        b, t = policy._shape
+        if policy.routes is not None:
+            policy.routes.append(ids.detach().view(b, t, -1))
+        if policy.replay is None:
+            return None
+        wanted = policy.replay[:, :t, self.layer].reshape(b * t, -1).to(ids.device).long()
+        ids = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, ids)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the full softmax: the router keeps its gradient
+        weights = probs.gather(-1, ids)
+        if getattr(module, "norm_topk_prob", False):
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
 
 
 def tiny_qwen3_config(vocab_size: int = 64, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
