@@ -346,3 +346,31 @@ def test_a_copied_transformers_moe_policy_routes_through_its_own_hooks(tmp_path)
         a = score_batch(policy, swapped, routing="replay")
         b = score_batch(twin, swapped, routing="replay")
     assert b.routes is not None and torch.equal(a.logp, b.logp) and torch.equal(a.routes, b.routes)
+
+
+def test_a_mixtral_router_always_renormalizes_and_an_unknown_router_refuses_replay(tmp_path):
+    """Mixtral renormalizes its top-k weights without a norm_topk_prob attribute: replaying its own routes
+    changes nothing. A router whose weights driftless cannot recompute records its routes but refuses replay."""
+    import transformers
+
+    from driftless.models.hf import HFPolicy
+
+    config = transformers.MixtralConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    policy = HFPolicy(config)
+    assert policy.route_shape == (2, 2)
+    sampler = Sampler(HFPolicy(config), head_k=0)
+    sampler.load(Snapshot.of(policy, 0))
+    batch = sampler.generate(PROMPTS, SamplingParams(), max_new_tokens=4, seed=0)
+    with torch.no_grad():
+        own, replay = score_batch(policy, batch), score_batch(policy, batch, routing="replay")
+    assert float((own.logp - replay.logp)[batch.action_mask].abs().max()) < 1e-6
+    for router in policy._routers:
+        router.__class__ = type("SigmoidBiasRouter", (router.__class__,), {})
+    with torch.no_grad():
+        assert score_batch(policy, batch).routes is not None  # still recorded
+        with pytest.raises(ValueError, match="SigmoidBiasRouter computes its gate weights"):
+            score_batch(policy, batch, routing="replay")
+    assert policy.routes is None and policy.replay is None

@@ -82,6 +82,9 @@ def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24,
               execution="fast", engine="driftless", n_experts: int = 0) -> dict:
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
+    if engine == "vllm" and n_experts:
+        raise ValueError("--experts builds a mixture-of-experts TinyLM for the built-in engine; the vLLM table's "
+                         "tiny Qwen3 is dense")
     if engine == "vllm":
         return _run_vllm_table(model_path=model_path, kinds=kinds or VLLM_KINDS, num_prompts=num_prompts,
                                max_new_tokens=max_new_tokens, head_k=head_k, seed=seed)

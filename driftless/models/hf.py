@@ -138,6 +138,13 @@ class HFPolicy(nn.Module):
         return out.logits[:, -1].float()
 
 
+# Routers whose gate weights are a softmax over all experts at the top-k ids, renormalized: by their
+# ``norm_topk_prob`` attribute ("attr") or always (True). Replay recomputes exactly that; other routers (sigmoid
+# scores with a bias, group selection, scaling: DeepSeek-V3 and kin) are recorded but refuse replay by name.
+REPLAYABLE_ROUTERS = {"Qwen2MoeTopKRouter": "attr", "Qwen3MoeTopKRouter": "attr", "OlmoeTopKRouter": "attr",
+                      "MixtralTopKRouter": True}
+
+
 class _RouteHook:
     """A router's forward hook. An object, not a closure: ``copy.deepcopy`` of the policy (the Eq. 1 scorer, the
     clean evaluator) copies it with the policy, so the copy's hooks read the copy's ``routes`` and ``replay``."""
@@ -158,11 +165,16 @@ class _RouteHook:
             policy.routes.append(ids.detach().view(b, t, -1))
         if policy.replay is None:
             return None
+        renormalize = REPLAYABLE_ROUTERS.get(type(module).__name__)
+        if renormalize is None:
+            raise ValueError(f"train.routing=replay: {type(module).__name__} computes its gate weights in a way "
+                             f"driftless does not recompute (replayable: {', '.join(REPLAYABLE_ROUTERS)}); "
+                             "use train.routing=recompute (its routes are still recorded and measured)")
         wanted = policy.replay[:, :t, self.layer].reshape(b * t, -1).to(ids.device).long()
         ids = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, ids)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the full softmax: the router keeps its gradient
         weights = probs.gather(-1, ids)
-        if getattr(module, "norm_topk_prob", False):
+        if renormalize is True or (renormalize == "attr" and module.norm_topk_prob):
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, weights.to(logits.dtype), ids
 

@@ -103,13 +103,13 @@ class RolloutBatch:
              f"must be [{b}, {l}, layers, k] (batch first, then positions), got {tuple(getattr(r, 'shape', ()))}")
         need("sampler_routes", not r.is_floating_point() and r.dtype != torch.bool,
              f"must hold integer expert ids, got {r.dtype}")
-        read = torch.arange(l)[None, :] < (self.length[:, None] - 1)  # [B, L]
+        read = torch.arange(l, device=self.length.device)[None, :] < (self.length[:, None] - 1)  # [B, L]
         missing = read & ~(r >= 0).all(-1).all(-1)
         if bool(missing.any()):
             row, pos = (int(v) for v in missing.nonzero()[0])
             need("sampler_routes", False, f"missing at row {row}, position {pos}: every position before a row's last "
                  "token is read by the trainer's forward (a route layout shifted by a position looks like this)")
-        ids = r[read].long()  # [N, layers, k]
+        ids = r[read]  # [N, layers, k], in the recorded dtype (an int64 copy of a real MoE's routes is GBs)
         if ids.numel() and ids.shape[-1] > 1:
             ordered = ids.sort(-1).values
             repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1).any(-1)

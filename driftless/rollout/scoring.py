@@ -41,6 +41,8 @@ def routed_forward(policy, batch: RolloutBatch, routing: str = "recompute"):
         if tuple(batch.sampler_routes.shape[2:]) != tuple(shape):
             raise ValueError(f"sampler_routes are [.., {list(batch.sampler_routes.shape[2:])}] (layers, k), the "
                              f"policy routes {list(shape)}")
+        if batch.n_experts is not None and batch.n_experts != getattr(policy, "n_experts", batch.n_experts):
+            raise ValueError(f"sampler_routes index {batch.n_experts} experts, the policy has {policy.n_experts}")
         policy.replay = batch.sampler_routes[:, :-1].to(inputs.device)
     policy.routes = []
     try:
