@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-verify hf study study-paper study-quick test test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf study study-paper study-quick test test-torchrun test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -52,6 +52,10 @@ study-quick: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# whole runs under torchrun (2 gloo learner ranks; resumes 2→1, 2→2, 1→2): minutes of process start-ups; CI runs it
+test-torchrun: $(STAMP)
+	$(PY) -m pytest -m torchrun tests/test_ranks.py
 
 # the compiled aligned pieces against their eager definitions (minutes of inductor builds when cold); CI runs it too
 test-compiled: $(STAMP)

@@ -91,6 +91,7 @@ def _train(run_dir: Path, *extra, ranks: int = 1, base=TINY):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_run_under_torchrun_writes_the_one_process_lines(tmp_path, parallel):
     one = _train(tmp_path / "one")
@@ -129,6 +130,7 @@ def _same_lines(one, two, rel=1e-4):
             assert b[key] == pytest.approx(value, rel=rel, abs=1e-6), (key, a["step"])
 
 
+@pytest.mark.torchrun
 def test_a_transformers_checkpoint_trains_sharded_per_decoder_layer(tmp_path):
     """model.kind=hf under FSDP2: one unit per decoder layer and one for the model; the lines are one process's."""
     pytest.importorskip("transformers")
@@ -154,6 +156,7 @@ def test_a_transformers_checkpoint_trains_sharded_per_decoder_layer(tmp_path):
     _same_lines(one, two)
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_two_rank_run_resumes_on_one_rank_and_on_two_and_a_one_rank_run_on_two(tmp_path, parallel):
     """A checkpoint of several ranks holds model and optimizer through torch.distributed.checkpoint (resharded on
