@@ -14,21 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from unittest import mock
 
 import torch
-
-
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from _timing import timed
 
 
 def main() -> None:
@@ -65,7 +54,7 @@ def main() -> None:
            "route_dtype": str(batch.sampler_routes.dtype),
            "route_bytes_per_token": batch.sampler_routes[0, 0].numel() * batch.sampler_routes.element_size(),
            "tokens": int(batch.length.sum())}
-    out["generate_s"] = _median(generate, args.repeats)
+    out["generate_s"] = timed(generate, args.repeats)
 
     class _Off(sampler_module._Routes):  # the recorder switched off: what the forwards cost without it
         def __init__(self, policy, rows, width):
@@ -73,7 +62,7 @@ def main() -> None:
             self.ids = None
 
     with mock.patch.object(sampler_module, "_Routes", _Off):
-        out["generate_unrecorded_s"] = _median(generate, args.repeats)
+        out["generate_unrecorded_s"] = timed(generate, args.repeats)
 
     def score(routing):
         def run():
@@ -81,8 +70,8 @@ def main() -> None:
             score_batch(model, batch, routing=routing).logp.sum().backward()
         return run
 
-    out["score_recompute_s"] = _median(score("recompute"), args.repeats)
-    out["score_replay_s"] = _median(score("replay"), args.repeats)
+    out["score_recompute_s"] = timed(score("recompute"), args.repeats)
+    out["score_replay_s"] = timed(score("replay"), args.repeats)
     out["record_overhead"] = out["generate_s"] / out["generate_unrecorded_s"] - 1
     out["replay_overhead"] = out["score_replay_s"] / out["score_recompute_s"] - 1
     out["torch"] = torch.__version__

@@ -425,12 +425,7 @@ class TinyLM(nn.Module):
                     record(f"layer {i} mlp_norm", h)
                     record(f"layer {i} experts", down)
                 continue
-            gate, up = self._linears(h, aligned, layer.w_gate, layer.w_up)
-            if aligned:
-                act = aligned_silu_mul(gate, up) if grad else exact_silu_mul(gate, up)
-            else:
-                act = F.silu(gate) * up
-            down = self._linear(act, layer.w_down, aligned)
+            gate, up, act, down = self._swiglu(h, layer, aligned, grad)
             x = x + down
             if record:
                 record(f"layer {i} attention", attn)
@@ -445,6 +440,15 @@ class TinyLM(nn.Module):
             record("final_norm", x)
             record("lm_head", logits)
         return logits
+
+    def _swiglu(self, h, mlp, aligned: bool, grad: bool):
+        """``mlp``'s SwiGLU (w_gate, w_up, w_down: a dense layer or one expert) on ``h``: (gate, up, act, down)."""
+        gate, up = self._linears(h, aligned, mlp.w_gate, mlp.w_up)
+        if aligned:
+            act = aligned_silu_mul(gate, up) if grad else exact_silu_mul(gate, up)
+        else:
+            act = F.silu(gate) * up
+        return gate, up, act, self._linear(act, mlp.w_down, aligned)
 
     def _moe(self, i: int, layer, h, aligned: bool, grad: bool):
         """Layer ``i``'s mixture of experts on ``h [B, T, D]``: router logits, log-softmax over all experts
@@ -482,13 +486,7 @@ class TinyLM(nn.Module):
             rows = hit.any(-1).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 continue
-            x_e = flat[rows]
-            gate, up = self._linears(x_e, aligned, expert.w_gate, expert.w_up)
-            if aligned:
-                act = aligned_silu_mul(gate, up) if grad else exact_silu_mul(gate, up)
-            else:
-                act = F.silu(gate) * up
-            y = self._linear(act, expert.w_down, aligned)
+            y = self._swiglu(flat[rows], expert, aligned, grad)[3]
             w_e = torch.where(hit[rows], weight[rows], 0.0).sum(-1)  # the one selected weight (+ zeros: exact)
             out = out.index_add(0, rows, y * w_e[:, None])  # each row once per expert: in expert-id order
         return out.view(b, t, d)
