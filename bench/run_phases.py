@@ -15,6 +15,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from driftless.train.sinks import has_record, read_metrics
+
 SUMS = ("rollout_s", "score_s", "optim_s", "eval_s", "learner_wait_s")
 
 
@@ -22,14 +24,14 @@ def main() -> None:
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
         sys.exit("usage: bench/run_phases.py SWEEP_DIR (a folder of run folders with metrics.jsonl)")
     per_variant = defaultdict(list)
-    for metrics in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    for run_dir in sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_dir() and has_record(p)):
+        rows = read_metrics(run_dir)  # metrics.jsonl or its packed metrics.jsonl.xz
         if not rows:
             continue
         run = {k: sum(r.get(k) or 0.0 for r in rows) for k in SUMS}
         run["sampler_age_mean"] = sum(r.get("sampler_age_mean") or 0.0 for r in rows) / len(rows)
         run["wall_time"] = rows[-1].get("wall_time")
-        per_variant[metrics.parent.name.split(",")[0]].append(run)
+        per_variant[run_dir.name.split(",")[0]].append(run)
     out = {v: {k: round(sum(r[k] or 0.0 for r in runs) / len(runs), 2) for k in runs[0]} | {"runs": len(runs)}
            for v, runs in per_variant.items()}
     print(json.dumps(out, indent=1))

@@ -29,9 +29,26 @@ def _seed_table(args) -> int:
     return 0
 
 
+class _OneLineHelp(argparse.HelpFormatter):
+    """``driftless --help``: each command and its help on one line (argparse sizes the column without the
+    commands' names, and wraps at the terminal's width)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, width=110, max_help_position=30)
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):  # each command is listed indented by 4
+            self._action_max_length = max(self._action_max_length, 4 + max(map(len, action.choices)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="driftless", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="driftless", formatter_class=_OneLineHelp,
+        description="RL for language models that stays stable when the rollout engine and the trainer disagree. "
+                    "Each command's options: driftless COMMAND --help.")
+    parser.add_argument("--debug", action="store_true", help="on an error, show its traceback")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("seed-table", help="[mismatch]'s expected-update table, computed by the objectives")
     t.add_argument("--p", type=float, nargs="+", default=[0.8, 0.2])
@@ -122,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--no-progress", action="store_true")
     st.set_defaults(func=_study)
 
-    d = sub.add_parser("demo", help="the main job: no-mismatch baseline, then pg vs tis vs sc under mismatch")
+    d = sub.add_parser("demo", help="the main job: a no-mismatch baseline, then pg, tis and sc under mismatch")
     d.add_argument("--config", default=None, help="base config (default: configs/demo.yaml settings)")
     d.add_argument("--methods", nargs="+", default=["baseline", "pg", "tis", "sc"],
                    help="objective presets, and 'baseline' (pg without the mismatch view)")
@@ -140,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides for every method")
     d.set_defaults(func=_demo)
 
-    mm = sub.add_parser("make-model", help="a small Qwen3 checkpoint in Hugging Face format, warm-started on a task "
-                                           "(built locally, nothing downloaded): driftless make-model DIR")
+    mm = sub.add_parser("make-model", help="a small Qwen3 checkpoint (Hugging Face format, SFT on a task), built here",
+                        description="A small Qwen3 checkpoint in Hugging Face format with a BPE tokenizer trained "
+                                    "here, warm-started by SFT on a task (nothing downloaded).")
     mm.add_argument("dir", help="where the checkpoint goes (reused when it holds this very build)")
     mm.add_argument("--data", help="training rows, JSONL as export-task writes (default: the built-in Countdown)")
     mm.add_argument("--eval-data", help="held-out rows, JSONL (needed with --data)")
@@ -163,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--no-progress", action="store_true")
     mm.set_defaults(func=_make_model)
 
-    ex = sub.add_parser("export-task", help="a built-in task's problems as train.jsonl / eval.jsonl: "
-                                            "driftless export-task OUT_DIR")
+    ex = sub.add_parser("export-task", help="a built-in task's problems as OUT_DIR/train.jsonl and eval.jsonl")
     ex.add_argument("out_dir")
     ex.add_argument("--task", choices=("countdown", "arithmetic"), default="countdown")
     ex.add_argument("--n-numbers", type=int, default=2, help="countdown")
@@ -178,12 +195,60 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--seed", type=int, default=0)
     ex.set_defaults(func=_export_task)
 
+    pk = sub.add_parser("pack", help="compress finished runs' records in place (metrics.jsonl -> metrics.jsonl.xz)")
+    pk.add_argument("paths", nargs="+", help="run folders, or folders searched for finished runs (done.json)")
+    pk.add_argument("--unfinished", action="store_true",
+                    help="also runs without done.json (a run that is still training must not be packed)")
+    pk.set_defaults(func=_pack)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, ImportError) as err:  # bad input, or an optional extra that is not installed
-        print(f"driftless: error: {err}", file=sys.stderr)
+    except Exception as err:
+        if args.debug or not _user_error(err):
+            raise
+        print(f"driftless: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _user_error(err: BaseException) -> bool:
+    """Bad input (a config, a path, a file's content) or an optional extra that is not installed: one line,
+    no traceback (``--debug`` shows it). Anything else is a bug and keeps its traceback."""
+    import yaml
+
+    return isinstance(err, (ValueError, ImportError, OSError, yaml.YAMLError))
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, FileNotFoundError) and err.filename:
+        return f"{err.filename}: no such file or directory"
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror or err}"
+    text = " ".join(str(err).split()) if not isinstance(err, ValueError) else str(err).strip()
+    return text or type(err).__name__
+
+
+def _pack(args) -> int:
+    from pathlib import Path
+
+    from driftless.train.sinks import has_record, pack_run
+
+    runs = []
+    for root in map(Path, args.paths):
+        if not root.is_dir():
+            raise ValueError(f"pack: {root} is not a directory")
+        found = [p.parent for p in sorted(root.glob("**/config.yaml")) if has_record(p.parent)]
+        runs += [r for r in found if args.unfinished or (r / "done.json").exists()]
+        skipped = [r for r in found if not args.unfinished and not (r / "done.json").exists()]
+        for r in skipped:
+            print(f"skipped {r}: no done.json (unfinished, or not a sweep run: --unfinished packs it)", file=sys.stderr)
+    before = after = 0
+    for run in runs:
+        b, a = pack_run(run)
+        before, after = before + b, after + a
+    print(json.dumps({"runs": len(runs), "bytes_before": before, "bytes_after": after,
+                      "ratio": round(before / after, 2) if after else None}))
+    return 0
 
 
 def _check_alignment(args) -> int:
@@ -249,11 +314,12 @@ def _replay(args) -> int:
 
     from driftless.train.checkpoint import latest_checkpoint, load_checkpoint
     from driftless.train.loop import TIMING_KEYS
+    from driftless.train.sinks import read_metrics
     from driftless.train.trace import replay
 
     run = Path(args.run)
     metrics, learner = replay(run)
-    original = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    original = read_metrics(run)
     keys = [k for k in metrics[-1] if k not in TIMING_KEYS]
     equal_metrics = all({k: m.get(k) for k in keys} == {k: o.get(k) for k in keys} for m, o in zip(metrics, original))
     result = {"run": str(run), "steps": len(metrics), "metrics_equal": equal_metrics and len(metrics) == len(original)}

@@ -18,6 +18,7 @@ from driftless.cli import main
 from driftless.experiments.sweep import load_experiment
 from driftless.experiments.sweep_report import collapse_step, write_sweep_report
 from driftless.train.loop import TIMING_KEYS
+from driftless.train.sinks import read_metrics, record_path
 
 SMALL = {"model.warm_start": False, "model.d_model": 32, "model.n_layer": 1, "model.n_head": 2,
          "model.n_kv_head": 1, "model.d_ff": 64, "model.max_seq_len": 16, "task.name": "first-token",
@@ -33,8 +34,7 @@ def experiment(tmp_path, grid, **extra) -> Path:
 
 
 def lines(run_dir):
-    return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
-            for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_metrics(run_dir)]
 
 
 def test_bad_experiments_are_refused_by_name_before_any_trial(tmp_path):
@@ -172,10 +172,11 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     assert not (root / "extra").exists()  # an extra experiment runs only when named
     spent = study.run_seconds(root)
     assert [spent[k]["distinct"] for k in ("first", "second", "extra")] == [2, 1, 0]  # the reused reference once
-    stale_rows = (root / "second" / "stale,train.seed=0" / "metrics.jsonl").read_text().splitlines()
-    assert spent["second"]["run_s"] == round(json.loads(stale_rows[-1])["wall_time"], 1)
+    stale_rows = read_metrics(root / "second" / "stale,train.seed=0")
+    assert spent["second"]["run_s"] == round(stale_rows[-1]["wall_time"], 1)
     ref_a, ref_b = root / "first" / "reference,train.seed=0", root / "second" / "reference,train.seed=0"
-    assert (ref_a / "metrics.jsonl").read_bytes() == (ref_b / "metrics.jsonl").read_bytes()
+    assert record_path(ref_b).name == "metrics.jsonl.xz"  # a finished trial's record is packed
+    assert record_path(ref_a).read_bytes() == record_path(ref_b).read_bytes()
     assert not (ref_b / "checkpoints").exists()  # the record only: config, metrics, initial eval, done
     report = (root / "second" / "report.md").read_text()
     assert "| reference | 1 |" in report
@@ -228,6 +229,6 @@ def test_a_finished_trial_can_drop_its_checkpoints_and_keep_its_record(tmp_path)
     assert (kept / "checkpoints").is_dir() and (kept / "trace").is_dir()
     second = run_trial(None, overrides, pruned, keep_checkpoints=False)
     assert not (pruned / "checkpoints").exists() and not (pruned / "trace").exists()
-    assert all((pruned / f).exists() for f in RUN_RECORD)
+    assert all(record_path(pruned, f) is not None for f in RUN_RECORD)  # metrics.jsonl packed: .xz
     assert lines(pruned) == lines(kept) and second["final_eval"] == first["final_eval"]
     assert run_trial(None, overrides, pruned, keep_checkpoints=False) == second  # finished: not trained again

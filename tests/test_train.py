@@ -13,6 +13,7 @@ from driftless.experiments.report import write_run_report
 from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
 from driftless.train import Run, load_config, train
 from driftless.train.loop import TIMING_KEYS
+from driftless.train.sinks import has_record, read_metrics
 
 TINY = [
     "task.name=arithmetic", "task.max_operand=9",
@@ -262,11 +263,10 @@ def test_demo_and_eval_commands(tmp_path, capsys):
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "| pg |" in report and "| sc |" in report and (tmp_path / "demo" / "eval_reward.png").exists()
     assert "| baseline |" in report and "steps to threshold" in report
-    base = [json.loads(x) for x in (tmp_path / "demo" / "baseline" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    base = read_metrics(tmp_path / "demo" / "baseline" / "seed0")
     assert all(r["kl_k3"] < 1e-9 for r in base)  # the baseline samples without the mismatch view
-    assert (tmp_path / "demo" / "sc" / "seed1" / "metrics.jsonl").exists()
-    first = [json.loads(x) for x in (tmp_path / "demo" / "pg" / "seed0" / "metrics.jsonl").read_text().splitlines()]
-    second = [json.loads(x) for x in (tmp_path / "demo" / "pg" / "seed1" / "metrics.jsonl").read_text().splitlines()]
+    assert has_record(tmp_path / "demo" / "sc" / "seed1")
+    first, second = read_metrics(tmp_path / "demo" / "pg" / "seed0"), read_metrics(tmp_path / "demo" / "pg" / "seed1")
     assert first[0]["entropy"] != second[0]["entropy"]  # the seed changes prompts and samples
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "demo" / "pg" / "seed0")]) == 0
@@ -318,8 +318,8 @@ def test_demo_check_over_warm_starts_resumes_and_reads(tmp_path, capsys):
     assert "| warm start | seed | initial | baseline | pg | sc |" in report
     assert "| 0 | 0 |" in report and "| 1 | 0 |" in report
     assert "- sc ends above pg in" in report and "- the baseline (no mismatch) ends above its start" in report
-    metrics = sorted((tmp_path / "check").rglob("metrics.jsonl"))
-    assert len(metrics) == 6 and (tmp_path / "check" / "ws1" / "sc" / "seed0" / "metrics.jsonl").exists()
+    metrics = sorted((tmp_path / "check").rglob("metrics.jsonl.xz"))  # finished: packed
+    assert len(metrics) == 6 and has_record(tmp_path / "check" / "ws1" / "sc" / "seed0")
     stamps = [m.stat().st_mtime_ns for m in metrics]
     capsys.readouterr()
     assert main(args) == 0  # resumed: every run is finished, nothing retrained

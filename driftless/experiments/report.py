@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from driftless.train import sinks
+
 
 def spread(values, fmt: str) -> str:
     """``mean [min, max]`` of the values (NaN and None left out; the mean alone for one; "—" for none)."""
@@ -25,10 +27,8 @@ def spread(values, fmt: str) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise ValueError(f"{run_dir} has no metrics.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's metric rows, from ``metrics.jsonl`` or its packed ``metrics.jsonl.xz`` (``driftless pack``)."""
+    return sinks.read_metrics(run_dir)
 
 
 def initial_eval(run_dir: str | Path) -> float | None:

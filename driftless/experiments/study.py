@@ -31,6 +31,7 @@ from pathlib import Path
 
 from driftless.experiments.sweep import load_experiment, run_experiment
 from driftless.experiments.sweep_report import write_sweep_report
+from driftless.train.sinks import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 STUDY_DIR = REPO / "experiments" / "study"
@@ -134,7 +135,7 @@ def run_seconds(root: Path, todo: list[Claim] | None = None) -> dict[str, dict]:
             if key in seen:
                 continue
             seen.add(key)
-            rows = [json.loads(line) for line in (done.parent / "metrics.jsonl").read_text().splitlines() if line]
+            rows = read_metrics(done.parent)
             distinct += 1
             run_s += float(rows[-1].get("wall_time") or 0.0) if rows else 0.0
         out[claim.name] = {"runs": len(runs), "distinct": distinct, "run_s": round(run_s, 1)}

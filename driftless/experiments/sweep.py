@@ -36,7 +36,8 @@ from pathlib import Path
 import yaml
 
 from driftless.train import build, load_config
-from driftless.train.config import RunConfig
+from driftless.train.config import RunConfig, read_yaml
+from driftless.train.sinks import METRICS_FILE, PACKABLE, has_record, pack_run, record_path
 
 SEED_KEYS = ("train.seed", "warm_start.seed")
 
@@ -106,7 +107,7 @@ def load_experiment(path) -> Experiment:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"experiment file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path, "experiment file")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: an experiment file is a mapping with base, set, variants and grid")
     unknown = sorted(set(data) - {"base", "set", "grid", "variants", "reference"})
@@ -190,6 +191,7 @@ def _run_trial(base, overrides: list[str], run_dir: Path, report, keep_checkpoin
         train(cfg, run_dir, resume=latest is not None, overwrite=True, progress=False)
         write_run_report(run_dir)
         summary = summarize(run_dir)
+        pack_run(run_dir)  # a finished record is kept compressed (driftless pack); every reader reads it
         tmp = done.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary))
         tmp.replace(done)
@@ -252,8 +254,9 @@ def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, pr
                           progress=progress)
 
 
-# what a finished run needs for its reports (and what results/ commits): never checkpoints
-RUN_RECORD = ("config.yaml", "metrics.jsonl", "initial_eval.json", "done.json")
+# what a finished run needs for its reports (and what results/ commits): never checkpoints; metrics.jsonl
+# plain or packed (metrics.jsonl.xz)
+RUN_RECORD = ("config.yaml", METRICS_FILE, "initial_eval.json", "done.json")
 
 
 def _key(computation: dict | None) -> str:
@@ -274,11 +277,14 @@ def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[P
             target = wanted.get(_key(_saved_computation(source / "config.yaml")))
             if target is None or target.resolve() == source.resolve():
                 continue
-            if not all((source / f).exists() for f in RUN_RECORD):
+            if not all((source / f).exists() for f in RUN_RECORD if f != METRICS_FILE) or not has_record(source):
                 continue
             target.mkdir(parents=True, exist_ok=True)
             for f in RUN_RECORD[:-1]:
-                shutil.copy2(source / f, target / f)
+                if f in PACKABLE:
+                    shutil.copy2(record_path(source, f), target / record_path(source, f).name)
+                else:
+                    shutil.copy2(source / f, target / f)
             shutil.copy2(source / "done.json", target / "done.json")  # last: the copy is whole before it counts
             copied[target] = source
             wanted = {k: v for k, v in wanted.items() if v != target}

@@ -33,6 +33,7 @@ import matplotlib.pyplot as plt
 
 from driftless.experiments.report import eval_curve, read_metrics, spread
 from driftless.experiments.sweep import SEED_KEYS
+from driftless.train.sinks import has_record
 
 COLLAPSE_MARGIN = 0.05
 
@@ -83,14 +84,14 @@ def find_runs(sweep_dir: Path) -> tuple[dict[str, dict], list[str], list[str]]:
         for name, trial in data["trials"].items():
             if (sweep_dir / name / "done.json").exists():
                 runs[name] = trial["values"]
-            elif (sweep_dir / name / "metrics.jsonl").exists():
-                steps = len((sweep_dir / name / "metrics.jsonl").read_text().splitlines())
+            elif has_record(sweep_dir / name):
+                steps = len(read_metrics(sweep_dir / name))
                 problems.append(f"{name}: unfinished ({steps} steps so far)")
             else:
                 problems.append(f"{name}: no metrics.jsonl (not run yet, or failed before its first step)")
         return runs, keys, problems
-    runs = {p.parent.name: {"run": p.parent.name} for p in sorted(sweep_dir.glob("*/metrics.jsonl"))
-            if (p.parent / "config.yaml").exists()}
+    runs = {p.name: {"run": p.name} for p in sorted(sweep_dir.iterdir())
+            if p.is_dir() and has_record(p) and (p / "config.yaml").exists()}
     if not runs:
         others = sorted(p.name for p in sweep_dir.iterdir())[:8]
         raise ValueError(f"{sweep_dir} holds no runs: no sweep.json and no subfolder with config.yaml and "

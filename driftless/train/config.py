@@ -495,13 +495,27 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def read_yaml(path: Path, what: str) -> dict:
+    """A YAML mapping from a file; a parse error or another top level names the file, line and column."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ValueError(f"{what} {path}{where}: not valid YAML ({problem})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path}: the top level must be a mapping of sections, not {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     data = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"config file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path, "config file")
     data = apply_overrides(data, overrides or [])
     _refuse_old_keys(data)
     return _build(RunConfig, data, "")

@@ -27,7 +27,7 @@ from driftless.train import build, checkpoint
 from driftless.train.config import RunConfig, dump_config
 from driftless.train.evaluate import evaluate
 from driftless.train.ranks import Ranks
-from driftless.train.sinks import open_sinks
+from driftless.train.sinks import PACKABLE, PACKED_SUFFIX, open_sinks, unpack_run
 from driftless.train.sources import drop_stale, make_source, queue_metrics
 from driftless.train.trace import TRACE_DIR, write_batch
 
@@ -190,13 +190,15 @@ class Run:
         if resume and latest is not None:
             intact = checkpoint.newest_intact(self.dir)
             self.load_checkpoint(*intact)
+            unpack_run(self.dir)  # a packed record is trained further in plain form
             _truncate_metrics(self.dir / "metrics.jsonl", self.step_index)
             _truncate_metrics(self.dir / SAMPLES_FILE, self.step_index + 1)  # samples are keyed by steps done
         else:
             checkpoint.clear_checkpoints(self.dir)
             shutil.rmtree(self.dir / TRACE_DIR, ignore_errors=True)  # a trace is of one run only
-            (self.dir / "metrics.jsonl").unlink(missing_ok=True)
-            (self.dir / SAMPLES_FILE).unlink(missing_ok=True)
+            for name in PACKABLE:
+                (self.dir / name).unlink(missing_ok=True)
+                (self.dir / (name + PACKED_SUFFIX)).unlink(missing_ok=True)
             initial = self._evaluate()
             (self.dir / "initial_eval.json").write_text(json.dumps({"eval_reward": initial,
                                                                     "warm_start": self.warm_info}, indent=2))

@@ -4,7 +4,9 @@ Every part logs through the same interface, ``log(step, metrics, source)``, with
 naming the part (``rollout``, ``learner``, ``eval``, ``run``); ``end_step(step)`` closes a step.
 
 - ``jsonl``: one flushed line per step in ``metrics.jsonl``, every source merged (the reports
-  read it; resume truncates it to the checkpoint).
+  read it; resume truncates it to the checkpoint). A finished run's record may be packed
+  (``metrics.jsonl.xz``, ``pack_run``): every reader goes through ``read_lines`` / ``read_metrics``,
+  which read either form.
 - ``tensorboard``: ``torch.utils.tensorboard`` scalars tagged ``source/key`` under ``tb/``
   (needs the ``tensorboard`` package: ``pip install driftless[tensorboard]``).
 - ``wandb``: Weights & Biases, keys ``source/key`` (``pip install driftless[wandb]``; set
@@ -16,10 +18,89 @@ naming the part (``rollout``, ``learner``, ``eval``, ``run``); ``end_step(step)`
 from __future__ import annotations
 
 import json
+import lzma
 import math
 from pathlib import Path
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "tune")
+
+# ---------------------------------------------------------------- run records, plain or packed
+METRICS_FILE = "metrics.jsonl"
+PACKED_SUFFIX = ".xz"  # xz: 5.8x on a study record against gzip's 4.5x, in the standard library, byte-exact
+PACKABLE = ("metrics.jsonl", "samples.jsonl")  # the line records a finished run keeps
+
+
+def record_path(run_dir, name: str = METRICS_FILE) -> Path | None:
+    """The plain file if it is there (a run still writing, or never packed), else the packed one, else None."""
+    plain = Path(run_dir) / name
+    packed = plain.with_name(name + PACKED_SUFFIX)
+    return plain if plain.exists() else packed if packed.exists() else None
+
+
+def has_record(run_dir, name: str = METRICS_FILE) -> bool:
+    return record_path(run_dir, name) is not None
+
+
+def read_text(run_dir, name: str = METRICS_FILE) -> str:
+    path = record_path(run_dir, name)
+    if path is None:
+        raise ValueError(f"{run_dir} has no {name} (nor {name}{PACKED_SUFFIX})")
+    if path.suffix == PACKED_SUFFIX:
+        return lzma.decompress(path.read_bytes()).decode()
+    return path.read_text()
+
+
+def read_lines(run_dir, name: str = METRICS_FILE) -> list[dict]:
+    """A record's rows, from the plain or the packed file; a bad line is named by file and line."""
+    path = record_path(run_dir, name)
+    rows = []
+    for number, line in enumerate(read_text(run_dir, name).splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not JSON ({err.msg})") from None
+    return rows
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return read_lines(run_dir, METRICS_FILE)
+
+
+def unpack_run(run_dir) -> None:
+    """Make each packed record plain again (a packed run that is trained further appends to plain files)."""
+    for name in PACKABLE:
+        plain = Path(run_dir) / name
+        packed = plain.with_name(name + PACKED_SUFFIX)
+        if packed.exists() and not plain.exists():
+            tmp = plain.with_name(name + ".tmp")
+            tmp.write_bytes(lzma.decompress(packed.read_bytes()))
+            tmp.replace(plain)
+            packed.unlink()
+
+
+def pack_run(run_dir) -> tuple[int, int]:
+    """Compress a run's line records in place (``metrics.jsonl`` -> ``metrics.jsonl.xz``), checking that the
+    packed file decompresses to the very bytes before the plain one is removed; (bytes before, bytes after)."""
+    before = after = 0
+    for name in PACKABLE:
+        plain = Path(run_dir) / name
+        packed = plain.with_name(name + PACKED_SUFFIX)
+        if not plain.exists():
+            if packed.exists():
+                after += packed.stat().st_size
+                before += len(lzma.decompress(packed.read_bytes()))
+            continue
+        data = plain.read_bytes()
+        blob = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)  # no timestamp: the same bytes every time
+        if lzma.decompress(blob) != data:
+            raise RuntimeError(f"{plain}: the packed copy does not decompress to the original; left unpacked")
+        tmp = packed.with_name(packed.name + ".tmp")
+        tmp.write_bytes(blob)
+        tmp.replace(packed)
+        plain.unlink()
+        before, after = before + len(data), after + len(blob)
+    return before, after
 
 
 class JSONLSink:

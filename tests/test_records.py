@@ -1,0 +1,112 @@
+"""Run records a clone can afford: ``driftless pack`` compresses finished runs' line records in place,
+every reader reads both forms, a packed run resumes, and user errors print one line without a traceback."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from driftless.cli import main
+from driftless.experiments.report import summarize
+from driftless.experiments.sweep_report import write_sweep_report
+from driftless.train import load_config, train
+from driftless.train.loop import TIMING_KEYS
+from driftless.train.sinks import pack_run, read_metrics, record_path, unpack_run
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["model.warm_start=false", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.n_kv_head=1",
+         "model.d_ff=64", "model.max_seq_len=16", "task.name=first-token", "rollout.prompts_per_step=4",
+         "rollout.group_size=4", "rollout.max_new_tokens=2", "rollout.head_k=4", "train.eval_every=2",
+         "train.eval_problems=16", "train.checkpoint_every=2", "train.steps=4", "train.progress=false",
+         "optim.schedule=constant"]  # a constant rate: a run extended from 4 to 6 steps is the 6-step run
+
+
+def test_a_packed_record_reads_back_equal_to_the_original_bytes_and_rows(tmp_path):
+    run = train(load_config(None, SMALL), tmp_path / "run", progress=False)
+    original = (run / "metrics.jsonl").read_bytes()
+    samples = (run / "samples.jsonl").read_bytes()
+    rows, summary = read_metrics(run), summarize(run)
+    before, after = pack_run(run)
+    assert not (run / "metrics.jsonl").exists() and record_path(run).name == "metrics.jsonl.xz"
+    assert lzma.decompress((run / "metrics.jsonl.xz").read_bytes()) == original  # byte for byte
+    assert lzma.decompress((run / "samples.jsonl.xz").read_bytes()) == samples
+    assert before == len(original) + len(samples) and 0 < after < before
+    assert read_metrics(run) == rows and summarize(run) == summary
+    assert pack_run(run) == (before, after)  # packing again changes nothing
+    packed = (run / "metrics.jsonl.xz").read_bytes()
+    unpack_run(run)
+    assert (run / "metrics.jsonl").read_bytes() == original and not (run / "metrics.jsonl.xz").exists()
+    pack_run(run)
+    assert (run / "metrics.jsonl.xz").read_bytes() == packed  # the same bytes every time (git sees no change)
+
+
+def test_a_packed_run_trained_further_resumes_from_its_checkpoint_and_matches_an_unbroken_run(tmp_path):
+    unbroken = train(load_config(None, [*SMALL, "train.steps=6"]), tmp_path / "unbroken", progress=False)
+    run = train(load_config(None, SMALL), tmp_path / "run", progress=False)
+    pack_run(run)
+    train(load_config(None, [*SMALL, "train.steps=6"]), run, resume=True, progress=False)
+    assert (run / "metrics.jsonl").exists() and not (run / "metrics.jsonl.xz").exists()
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+    assert strip(read_metrics(run)) == strip(read_metrics(unbroken))
+
+
+def test_driftless_pack_packs_finished_runs_only_and_the_report_reads_them(tmp_path, capsys):
+    from driftless.experiments.sweep import run_trial
+
+    sweep = tmp_path / "sweep"
+    run_trial(None, [*SMALL, "train.seed=0"], sweep / "a")  # a sweep trial packs its record when it finishes
+    assert record_path(sweep / "a").name == "metrics.jsonl.xz"
+    train(load_config(None, [*SMALL, "train.seed=1"]), sweep / "b", progress=False)  # no done.json: unfinished
+    first = write_sweep_report(sweep).read_text()
+    capsys.readouterr()
+    assert main(["pack", str(sweep)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["runs"] == 1 and "skipped" in out.err and "b: no done.json" in out.err
+    assert (sweep / "b" / "metrics.jsonl").exists()
+    assert main(["pack", "--unfinished", str(sweep / "b")]) == 0
+    assert record_path(sweep / "b").name == "metrics.jsonl.xz"
+    assert write_sweep_report(sweep).read_text() == first  # the same table from the packed records
+
+
+def test_a_bad_line_in_a_record_is_named_by_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON"):
+        read_metrics(tmp_path)
+    with pytest.raises(ValueError, match="has no metrics.jsonl"):
+        read_metrics(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "missing.yaml"], "driftless: error: config file missing.yaml does not exist"),
+    (["train", "{bad}"], "driftless: error: config file {bad}, line 2, column 1: not valid YAML"),
+    (["train", "configs/default.yaml", "optim.lrr=1"], "driftless: error: unknown config key optim.'lrr'"),
+    (["report", "nowhere"], "driftless: error: nowhere is not a directory"),
+    (["eval", "nowhere"], "driftless: error: "),
+])
+def test_user_errors_print_one_line_without_a_traceback_and_debug_shows_it(tmp_path, args, message):
+    if args[1] == "{bad}":
+        (tmp_path / "bad.yaml").write_text("model: [\n")
+        args = ["train", str(tmp_path / "bad.yaml")]
+        message = message.replace("{bad}", str(tmp_path / "bad.yaml"))
+    cmd = [sys.executable, "-m", "driftless", *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(message) and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    debug = subprocess.run([sys.executable, "-m", "driftless", "--debug", *args], cwd=REPO, capture_output=True,
+                           text=True)
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_every_command_has_a_one_line_help():
+    done = subprocess.run([sys.executable, "-m", "driftless", "--help"], cwd=REPO, capture_output=True, text=True)
+    listed = done.stdout.split("COMMAND\n", 1)[1].split("\noptions:")[0].splitlines()
+    commands = [line.split()[0] for line in listed if line.strip()]
+    assert all(len(line.split()) > 1 for line in listed if line.strip()), listed  # name and help on one line
+    assert {"train", "sweep", "study", "demo", "report", "pack", "make-model"} <= set(commands)
