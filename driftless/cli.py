@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     a = sub.add_parser("check-alignment", help="sampler vs trainer log-probs per execution mode")
     a.add_argument("--model", help="a TinyLM safetensors file (default: a random TinyLM)")
-    a.add_argument("--modes", nargs="+", default=["fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc"],
+    a.add_argument("--modes", nargs="+", default=None,
                    help="aligned-xproc: sampler and trainer in two processes with other CPU kernels, BLAS path "
                         "and thread count, for each pair of kernel sets this CPU runs (named in the output); vllm (not by default, needs the vLLM extra): a vLLM engine's q vs the "
                         "transformers trainer's p (docs/vllm.md)")
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--top-k", type=int, default=0)
     a.add_argument("--top-p", type=float, default=1.0)
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--experts", type=int, default=0,
+                   help="a mixture-of-experts TinyLM with this many experts (top-2) for the TinyLM modes (the "
+                        "default modes less hf); adds the share of token-layers routed alike (docs/moe.md)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=_check_alignment)
 
@@ -252,25 +255,29 @@ def _pack(args) -> int:
 
 
 def _check_alignment(args) -> int:
-    from driftless.experiments.alignment import run_check
+    from driftless.experiments.alignment import MODES, run_check
     from driftless.rollout import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    result = run_check(model_path=args.model, modes=tuple(args.modes), num_prompts=args.prompts,
+    modes = args.modes or [m for m in MODES if not (args.experts and m == "hf")]
+    result = run_check(model_path=args.model, modes=tuple(modes), num_prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, params=params, view=args.view,
-                       trainer_numerics=args.trainer_numerics)
+                       trainer_numerics=args.trainer_numerics, n_experts=args.experts)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"| {'mode':<13} | {'tokens':>6} | {'bitwise equal':>13} | {'max abs Δ log p':>15} | {'KL(q‖p) k3':>11} |")
-    print(f"|{'-' * 15}|{'-' * 8}|{'-' * 15}|{'-' * 17}|{'-' * 13}|")
+    routed = args.experts > 0
+    print(f"| {'mode':<13} | {'tokens':>6} | {'bitwise equal':>13} | {'max abs Δ log p':>15} | {'KL(q‖p) k3':>11} |"
+          + (" routes equal |" if routed else ""))
+    print(f"|{'-' * 15}|{'-' * 8}|{'-' * 15}|{'-' * 17}|{'-' * 13}|" + ("-" * 14 + "|" if routed else ""))
     notes = []
     for mode, r in result["modes"].items():
         if "skipped" in r:
             notes.append(f"{mode}: skipped: {r['skipped']}")
             continue
         print(f"| {mode:<13} | {r['tokens']:>6} | {r['bitwise_equal_fraction']:>13.4f} | "
-              f"{r['max_abs_logp_diff']:>15.3e} | {r['kl_k3']:>11.3e} |")
+              f"{r['max_abs_logp_diff']:>15.3e} | {r['kl_k3']:>11.3e} |"
+              + (f" {r.get('routes_equal_fraction', float('nan')):>12.4f} |" if routed else ""))
         for pair in r.get("pairs", ()):
             notes.append(f"{mode}: sampler ({pair['sampler']}) vs trainer ({pair['trainer']}): {pair['tokens']} tokens, "
                          f"bitwise equal {pair['bitwise_equal_fraction']:.4f}, max abs Δ log p "

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from driftless.diagnostics.evidence import routing_diagnostics
 from driftless.mismatch.views import parse_view
 from driftless.models import TinyLM, TinyLMConfig
+from driftless.ops.cpu import kernel_pairs
 from driftless.rollout import Snapshot, score_batch
 from driftless.rollout.sampler import Sampler
 from driftless.rollout.sampling import SamplingParams
@@ -375,3 +376,31 @@ def test_a_mixtral_router_always_renormalizes_and_an_unknown_router_refuses_repl
         with pytest.raises(ValueError, match="SigmoidBiasRouter computes its gate weights"):
             score_batch(policy, batch, routing="replay")
     assert policy.routes is None and policy.replay is None
+
+
+def test_check_alignment_reports_how_often_the_trainer_routes_like_the_sampler():
+    from driftless.experiments.alignment import run_check
+
+    result = run_check(modes=("fast", "aligned", "aligned+quant"), n_experts=4, num_prompts=4, max_new_tokens=8)
+    modes = result["modes"]
+    assert modes["aligned"]["bitwise_equal_fraction"] == 1.0 and modes["aligned"]["routes_equal_fraction"] == 1.0
+    assert modes["aligned+quant"]["routes_equal_fraction"] == 1.0
+    assert 0.0 < modes["fast"]["routes_equal_fraction"] <= 1.0
+    with pytest.raises(ValueError, match="--experts applies to the TinyLM modes; hf score"):
+        run_check(modes=("fast", "hf"), n_experts=4)
+    dense = run_check(modes=("aligned",), num_prompts=2, max_new_tokens=4)["modes"]["aligned"]
+    assert "routes_equal_fraction" not in dense  # a dense model has no routes to compare
+
+
+@pytest.mark.skipif(not kernel_pairs(), reason="this CPU runs one kernel set: no pair to compare")
+def test_aligned_moe_sampler_and_trainer_route_alike_across_processes_and_kernel_sets(tmp_path):
+    """Sampler and trainer of an aligned MoE TinyLM in two processes with other kernel sets, MKL branches and
+    thread counts (the first pair this CPU reports): the same bits and the same experts for every token-layer."""
+    from driftless.experiments.alignment import cross_process_check
+
+    model = TinyLM(TinyLMConfig(**CONFIG, n_experts=4))
+    model.reset_parameters(seed=3)
+    r = cross_process_check(model, PROMPTS, params=SamplingParams(), max_new_tokens=8, seed=1,
+                            envs=kernel_pairs()[0], workdir=tmp_path)
+    assert r["tokens"] > 20 and r["token_layers"] == 2 * r["tokens"]
+    assert r["bitwise_equal_fraction"] == 1.0 and r["routes_equal_fraction"] == 1.0

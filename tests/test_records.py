@@ -96,16 +96,16 @@ def test_user_errors_print_one_line_without_a_traceback_and_debug_shows_it(tmp_p
         args = ["train", str(tmp_path / "bad.yaml")]
         message = message.replace("{bad}", str(tmp_path / "bad.yaml"))
     cmd = [sys.executable, "-m", "driftless", *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith(message) and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    debug = subprocess.run([sys.executable, "-m", "driftless", "--debug", *args], cwd=REPO, capture_output=True,
+    debug = subprocess.run([sys.executable, "-m", "driftless", "--debug", *args], cwd=REPO, capture_output=True, check=False,
                            text=True)
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
 
 
 def test_every_command_has_a_one_line_help():
-    done = subprocess.run([sys.executable, "-m", "driftless", "--help"], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "driftless", "--help"], cwd=REPO, capture_output=True, text=True, check=False)
     listed = done.stdout.split("COMMAND\n", 1)[1].split("\noptions:")[0].splitlines()
     commands = [line.split()[0] for line in listed if line.strip()]
     assert all(len(line.split()) > 1 for line in listed if line.strip()), listed  # name and help on one line

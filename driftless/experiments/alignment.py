@@ -16,7 +16,8 @@ from driftless.ops.cpu import describe_profile, kernel_pairs, kernel_profile, re
 from driftless.rollout import RolloutBatch, Sampler, SamplingParams, Snapshot, score_batch
 
 
-def _compare(batch: RolloutBatch, trainer_logp: torch.Tensor, trainer_head: torch.Tensor | None) -> dict:
+def _compare(batch: RolloutBatch, trainer_logp: torch.Tensor, trainer_head: torch.Tensor | None,
+             trainer_routes: torch.Tensor | None = None) -> dict:
     m = batch.action_mask
     q, p = batch.sampler_logp[m], trainer_logp[m]
     equal = (q == p)
@@ -27,12 +28,24 @@ def _compare(batch: RolloutBatch, trainer_logp: torch.Tensor, trainer_head: torc
         "bitwise_equal_fraction": float(equal.float().mean()) if m.any() else 1.0,
         "max_abs_logp_diff": float((q - p).abs().max()) if m.any() else 0.0,
         "kl_k3": kl_k3(trainer_logp, batch.sampler_logp, m.double()),
+        **_route_agreement(batch, trainer_routes),
     }
+
+
+def _route_agreement(batch: RolloutBatch, trainer_routes: torch.Tensor | None) -> dict:
+    """A mixture of experts: the share of token-layers (at the input positions that score action tokens) whose
+    trainer-chosen experts are the sampler's, in the same order; empty for a dense model."""
+    if batch.sampler_routes is None or trainer_routes is None:
+        return {}
+    on = batch.action_mask[:, 1:].bool()
+    same = (batch.sampler_routes[:, :-1][on].long() == trainer_routes[:, :-1][on].long()).all(-1)  # [N, layers]
+    return {"token_layers": int(same.numel()), "routes_equal_fraction": float(same.double().mean()) if same.numel()
+            else 1.0}
 
 
 def _score_in_groups(policy, batch: RolloutBatch, sizes: list[int]):
     """Re-score the batch split into consecutive groups of the given sizes (cycled)."""
-    logps, heads, start, i = [], [], 0, 0
+    logps, heads, routes, start, i = [], [], [], 0, 0
     b = batch.batch_size
     while start < b:
         stop = min(b, start + sizes[i % len(sizes)])
@@ -42,8 +55,10 @@ def _score_in_groups(policy, batch: RolloutBatch, sizes: list[int]):
         pad = batch.tokens.shape[1] - sub.tokens.shape[1]
         logps.append(torch.nn.functional.pad(v.logp, (0, pad)))
         heads.append(torch.nn.functional.pad(v.head_logp, (0, 0, 0, pad)))
+        if v.routes is not None:  # a mixture of experts: the experts the trainer chose, [b, L, layers, k]
+            routes.append(torch.nn.functional.pad(v.routes, (0, 0, 0, 0, 0, pad)))
         start, i = stop, i + 1
-    return torch.cat(logps), torch.cat(heads)
+    return torch.cat(logps), torch.cat(heads), torch.cat(routes) if routes else None
 
 
 def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
@@ -60,7 +75,7 @@ def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens
     make_sampler = make_sampler or (lambda policy, head_k, view: Sampler(policy, head_k=head_k, view=view))
     sampler = make_sampler(make_policy(), head_k, view)
     sampler.load(Snapshot.of(trainer, 0))
-    totals = {"tokens": 0, "equal": 0.0, "max": 0.0, "kl_sum": 0.0}
+    totals = {"tokens": 0, "equal": 0.0, "max": 0.0, "kl_sum": 0.0, "token_layers": 0, "routes_equal": 0.0}
     for gi, gen_sizes in enumerate(groupings):
         batches, start, i = [], 0, 0
         while start < len(prompts):
@@ -69,15 +84,20 @@ def check_policy(make_policy, prompts, *, params: SamplingParams, max_new_tokens
             start, i = stop, i + 1
         for batch in batches:
             for score_sizes in ((batch.batch_size,), (1,), (2, 5)):
-                logp, head = _score_in_groups(trainer, batch, list(score_sizes))
-                r = _compare(batch, logp, head)
+                logp, head, routes = _score_in_groups(trainer, batch, list(score_sizes))
+                r = _compare(batch, logp, head, routes)
+                totals["token_layers"] += r.get("token_layers", 0)
+                totals["routes_equal"] += r.get("routes_equal_fraction", 0.0) * r.get("token_layers", 0)
                 totals["tokens"] += r["tokens"]
                 totals["equal"] += r["bitwise_equal_fraction"] * r["tokens"]
                 totals["max"] = max(totals["max"], r["max_abs_logp_diff"])
                 totals["kl_sum"] += r["kl_k3"] * r["tokens"]
     n = max(totals["tokens"], 1)
-    return {"tokens": totals["tokens"], "bitwise_equal_fraction": totals["equal"] / n,
-            "max_abs_logp_diff": totals["max"], "kl_k3": totals["kl_sum"] / n}
+    out = {"tokens": totals["tokens"], "bitwise_equal_fraction": totals["equal"] / n,
+           "max_abs_logp_diff": totals["max"], "kl_k3": totals["kl_sum"] / n}
+    if totals["token_layers"]:
+        out["routes_equal_fraction"] = totals["routes_equal"] / totals["token_layers"]
+    return out
 
 
 MODES = ("fast", "aligned", "hf", "fast+quant", "aligned+quant", "aligned-xproc")
@@ -86,23 +106,34 @@ OPTIONAL_MODES = ("vllm",)  # run when asked for: needs the vLLM extra (docs/vll
 
 def run_check(*, model_path=None, modes=MODES,
               num_prompts: int = 12, max_new_tokens: int = 24, seed: int = 0, params: SamplingParams | None = None,
-              view: str = "w8a8+kv:int8", trainer_numerics: str = "fwd-fq") -> dict:
+              view: str = "w8a8+kv:int8", trainer_numerics: str = "fwd-fq", n_experts: int = 0) -> dict:
     """Modes: ``fast``, ``aligned``, ``hf`` (transformers decode vs its own full forward) and
     ``fast+quant`` / ``aligned+quant``: a sampler quantized by ``view`` against a trainer whose
     forward uses the matching ``trainer_numerics`` (``fwd-fq`` or ``native``); ``aligned-xproc``:
     sampler and trainer in two processes with other CPU kernels, BLAS path and threads, for every
     pair of kernel sets this CPU runs (``driftless.ops.cpu.kernel_pairs``; named in ``pairs``); ``vllm`` (asked for by name): a vLLM engine's q against the
-    transformers trainer's p at the same weights (the tiny Qwen3 of the ``hf`` mode)."""
+    transformers trainer's p at the same weights (the tiny Qwen3 of the ``hf`` mode).
+
+    ``n_experts``: a random mixture-of-experts TinyLM (top-2 of that many experts per layer) for the TinyLM
+    modes, each of which then also reports ``routes_equal_fraction``: the token-layers whose trainer-chosen
+    experts are the sampler's (aligned execution: all of them, by construction)."""
     from driftless.mismatch import parse_view
     from driftless.models import TinyLM, TinyLMConfig, load_model
 
     params = params or SamplingParams()
     g = torch.Generator().manual_seed(seed)
+    if n_experts:
+        dense_only = [m for m in modes if m in ("hf", "vllm")]
+        if model_path is not None:
+            raise ValueError("--experts builds a random mixture-of-experts TinyLM; a --model file brings its own")
+        if dense_only:
+            raise ValueError(f"--experts applies to the TinyLM modes; {', '.join(dense_only)} score(s) a dense "
+                             "Qwen3 (drop them from --modes)")
     if model_path is not None:
         base, _ = load_model(model_path)
         config, state = base.config, base.state_dict()
     else:
-        config = TinyLMConfig()
+        config = TinyLMConfig(n_experts=n_experts) if n_experts else TinyLMConfig()
         base = TinyLM(config)
         base.reset_parameters(seed=seed)
         state = base.state_dict()
@@ -164,7 +195,7 @@ def run_check(*, model_path=None, modes=MODES,
 # other thread counts. With aligned execution (the same driftless and torch versions) they must agree
 # bit for bit.
 _BATCH_FIELDS = ("tokens", "prompt_len", "length", "action_mask", "sampler_logp", "version",
-                 "sampler_topk_ids", "sampler_topk_logp")
+                 "sampler_topk_ids", "sampler_topk_logp", "sampler_routes")
 
 
 def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
@@ -191,9 +222,9 @@ def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
     elif role == "score":
         fields = torch.load(job["batch_path"], weights_only=False)["batch"]
         batch = RolloutBatch(**fields, sampling=job["params"])
-        logp, head = _score_in_groups(policy, batch, [2, 5, 1])
+        logp, head, routes = _score_in_groups(policy, batch, [2, 5, 1])
         info["fused"] = fused_enabled()
-        torch.save({"logp": logp, "head": head, "info": info}, out_path)
+        torch.save({"logp": logp, "head": head, "routes": routes, "info": info}, out_path)
 
 
 def cross_process_check(model, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
@@ -234,7 +265,7 @@ def cross_process_check(model, prompts, *, params: SamplingParams, max_new_token
         sampled = torch.load(tmp / "batch.pt", weights_only=False)
         scored = torch.load(tmp / "scores.pt", weights_only=False)
     batch = RolloutBatch(**sampled["batch"], sampling=params)
-    result = _compare(batch, scored["logp"], scored["head"])
+    result = _compare(batch, scored["logp"], scored["head"], scored["routes"])
     result["sampler_process"] = {**envs[0], **sampled["info"]}
     result["trainer_process"] = {**envs[1], **scored["info"]}
     return result
@@ -249,15 +280,20 @@ def cross_process_checks(model, prompts, **kwargs) -> dict:
         return {"skipped": f"this CPU runs only one kernel set ({reported_kernel_set()!r}): nothing to compare"}
     results = [cross_process_check(model, prompts, envs=pair, **kwargs) for pair in pairs]
     tokens = sum(r["tokens"] for r in results)
-    return {
+    out = {
         "tokens": tokens,
         "bitwise_equal_fraction": sum(r["bitwise_equal_fraction"] * r["tokens"] for r in results) / max(tokens, 1),
         "max_abs_logp_diff": max(r["max_abs_logp_diff"] for r in results),
         "kl_k3": sum(r["kl_k3"] * r["tokens"] for r in results) / max(tokens, 1),
         "pairs": [{"sampler": describe_profile(s), "trainer": describe_profile(t), "tokens": r["tokens"],
-                   "bitwise_equal_fraction": r["bitwise_equal_fraction"], "max_abs_logp_diff": r["max_abs_logp_diff"]}
+                   "bitwise_equal_fraction": r["bitwise_equal_fraction"], "max_abs_logp_diff": r["max_abs_logp_diff"],
+                   **({"routes_equal_fraction": r["routes_equal_fraction"]} if "routes_equal_fraction" in r else {})}
                   for (s, t), r in zip(pairs, results)],
     }
+    layers = sum(r.get("token_layers", 0) for r in results)
+    if layers:
+        out["routes_equal_fraction"] = sum(r["routes_equal_fraction"] * r["token_layers"] for r in results) / layers
+    return out
 
 
 if __name__ == "__main__":
