@@ -180,6 +180,7 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     assert not (ref_b / "checkpoints").exists()  # the record only: config, metrics, initial eval, done
     report = (root / "second" / "report.md").read_text()
     assert "| reference | 1 |" in report
+    assert "| stale | — | — (one pair) | — | — |" in report  # one seed: no interval, said so
     stale = next(line for line in report.splitlines() if line.startswith("| stale | 1 |"))
     delta = final(root / "second" / "stale,train.seed=0") - final(ref_b)  # paired with the same seed's reference
     assert f"| {delta:+.3f} ({int(delta < 0)} of 1 below) |" in stale
@@ -232,3 +233,15 @@ def test_a_finished_trial_can_drop_its_checkpoints_and_keep_its_record(tmp_path)
     assert all(record_path(pruned, f) is not None for f in RUN_RECORD)  # metrics.jsonl packed: .xz
     assert lines(pruned) == lines(kept) and second["final_eval"] == first["final_eval"]
     assert run_trial(None, overrides, pruned, keep_checkpoints=False) == second  # finished: not trained again
+
+
+def test_paired_intervals_are_student_t_over_the_seeds_and_say_when_they_exclude_zero():
+    from driftless.experiments.sweep_report import paired_interval, separation
+
+    mean, low, high = paired_interval([0.1, 0.2, 0.3])
+    half = 4.302652729749462 * 0.1 / 3 ** 0.5  # t(0.975, 2 degrees of freedom) × sd / sqrt(n)
+    assert mean == pytest.approx(0.2) and low == pytest.approx(0.2 - half) and high == pytest.approx(0.2 + half)
+    assert separation((mean, low, high)) == "no"  # 3 seeds this far apart: the interval holds zero
+    assert separation(paired_interval([0.20, 0.21, 0.19, 0.20, 0.22])) == "above"
+    assert separation(paired_interval([-0.20, -0.21, -0.19])) == "below"
+    assert paired_interval([0.3]) is None and separation(None) == "— (one pair)"

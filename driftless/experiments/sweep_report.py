@@ -36,6 +36,36 @@ from driftless.experiments.sweep import SEED_KEYS
 from driftless.train.sinks import has_record
 
 COLLAPSE_MARGIN = 0.05
+LEVEL = 0.95  # the paired intervals' coverage
+
+
+def paired_interval(deltas: list[float], level: float = LEVEL) -> tuple[float, float, float] | None:
+    """Mean of per-seed paired differences and its Student-t interval over the seeds (``level`` coverage,
+    n − 1 degrees of freedom): ``(mean, low, high)``; None for fewer than two pairs. With 3 to 5 seeds a
+    bootstrap over seeds has too few distinct resamples to give an interval; t assumes the differences are
+    roughly normal, which is what there is to assume with so few."""
+    from scipy import stats
+
+    if len(deltas) < 2:
+        return None
+    mean = statistics.fmean(deltas)
+    half = stats.t.ppf(0.5 + level / 2, len(deltas) - 1) * statistics.stdev(deltas) / len(deltas) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def separation(interval: tuple[float, float, float] | None) -> str:
+    """``above`` / ``below`` when the interval excludes zero on that side, ``no`` when it holds zero."""
+    if interval is None:
+        return "— (one pair)"
+    _, low, high = interval
+    return "above" if low > 0 else "below" if high < 0 else "no"
+
+
+def _interval_cell(interval, n: int) -> str:
+    if interval is None:
+        return "—"
+    mean, low, high = interval
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] ({n})"
 
 
 def collapse_step(xs: list[int], ys: list[float], margin: float = COLLAPSE_MARGIN) -> int | None:
@@ -166,12 +196,14 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
     candidates = [*groups[ref], *outside] if ref_by_seeds else []  # the sweep's own reference first
     paired_outside = set()
     elsewhere = []  # (run, its start, the reference's start): compared across two initial models
+    paired: dict[str, list[float]] = {}  # per group: the per-seed differences from the reference
     for label, rs in groups.items():
         deltas, crossed = [], 0
         for r in rs:
             match = next((c for c in candidates if c["seeds"] == r["seeds"] and same_start(c, r)), None)
             if match is not None:
                 deltas.append(r["final"] - match["final"])
+                paired[label] = [*paired.get(label, []), r["final"] - match["final"]]
                 if match is not ref_by_seeds[r["seeds"]]:
                     paired_outside.add(r["name"])
             elif r["seeds"] in ref_by_seeds:
@@ -196,6 +228,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
             f"{spread([r['disagreement'] for r in rs], '.1e')} | {spread([r['stale'] for r in rs], '.0f')} | "
             f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
             f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
+    lines += _paired_table(groups, group_values, by, ref, paired)
     if paired_outside:
         lines += ["", (f"{len(paired_outside)} runs started from another initial model than the `{ref}` run of their "
                        f"seeds and are paired with the reference run of their seeds and initial model from "
@@ -214,6 +247,42 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
     out = sweep_dir / "report.md"
     out.write_text("\n".join(lines))
     return out
+
+
+def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple], by: list[str], ref: str,
+                  paired: dict[str, list[float]]) -> list[str]:
+    """Per group: the per-seed differences of final held-out reward from the reference run of the same seeds
+    and initial model, and from the pg run of the same seeds and other keys (where the sweep has pg), each
+    with its mean, a Student-t interval over the seeds and whether the interval excludes zero."""
+    method = next((i for i, k in enumerate(by) if k in ("variant", "objective.name")), None)
+
+    def pg_partner(label):
+        if method is None:
+            return None
+        mine = group_values[label]
+        return next((g for g, v in group_values.items() if v[method] == "pg" and g != label
+                     and all(x == y for i, (x, y) in enumerate(zip(v, mine)) if i != method)), None)
+
+    rows = []
+    for label, rs in groups.items():
+        if label == ref:
+            continue
+        vs_ref = paired.get(label, [])
+        partner = pg_partner(label)
+        vs_pg = []
+        if partner is not None:
+            by_seeds = {r["seeds"]: r for r in groups[partner]}
+            vs_pg = [r["final"] - by_seeds[r["seeds"]]["final"] for r in rs
+                     if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r)]
+        ref_i, pg_i = paired_interval(vs_ref), paired_interval(vs_pg)
+        rows.append(f"| {label} | {_interval_cell(ref_i, len(vs_ref))} | {separation(ref_i)} | "
+                    + (f"{_interval_cell(pg_i, len(vs_pg))} | {separation(pg_i)} |" if partner else "— | — |"))
+    if not rows:
+        return []
+    return ["", (f"Paired differences of final held-out reward, per seed: mean [{LEVEL:.0%} Student-t interval over "
+                 f"the seeds] (pairs). *Separates*: the interval excludes zero (above / below); *no*: it holds zero."),
+            "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates |", "|---|---|---|---|---|",
+            *rows]
 
 
 def _band(ax, xs_list, ys_list, label):
