@@ -53,9 +53,10 @@ study-quick: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
-# whole runs under torchrun (2 gloo learner ranks; resumes 2→1, 2→2, 1→2): minutes of process start-ups; CI runs it
+# whole runs with 2 gloo learner ranks, under torchrun and as Ray actors (resumes 2→1, 2→2, 1→2): minutes of
+# process start-ups; CI runs it
 test-torchrun: $(STAMP)
-	$(PY) -m pytest -m torchrun tests/test_ranks.py
+	$(PY) -m pytest -m torchrun tests/test_ranks.py tests/test_ray.py
 
 # the compiled aligned pieces against their eager definitions (minutes of inductor builds when cold); CI runs it too
 test-compiled: $(STAMP)

@@ -112,7 +112,7 @@ def test_a_run_under_torchrun_writes_the_one_process_lines(tmp_path, parallel):
 def test_ranks_are_refused_where_they_cannot_be_honoured(tmp_path):
     from driftless.train import load_config
 
-    with pytest.raises(ValueError, match="train.learner_ranks=2 runs under torchrun with rollout.runtime=sync"):
+    with pytest.raises(ValueError, match="train.learner_ranks=2 runs under torchrun with rollout.runtime=sync, or as Ray actors"):
         load_config(None, ["train.learner_ranks=2", "rollout.runtime=thread"])
     with pytest.raises(ValueError, match="launch with torchrun --nproc-per-node 2"):
         Ranks.from_env(2)

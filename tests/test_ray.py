@@ -168,3 +168,51 @@ def test_the_object_store_stays_flat_over_many_updates(tmp_path):
     assert len(settled) == steps // 20
     assert max(settled) <= bound, settled
     assert settle(0) == 0 and object_store_usage(ray) == (0, 0)
+
+
+RANKS = [*SMALL, "train.steps=4", "train.eval_every=2", "rollout.staleness_bound=0", "rollout.ray_num_cpus=3",
+         "train.learner_runtime=ray", "train.checkpoint_every=2"]
+
+
+def _same_lines(one, two):
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, float):
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, a["step"])
+            else:
+                assert b[key] == value, (key, a["step"])
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_learner_ranks_as_ray_actors_write_the_one_rank_lines_and_resume_across_rank_counts(tmp_path, parallel):
+    """η = 0: the pipeline is deterministic, so 2 learner ranks in 2 Ray actors (each the torchrun environment,
+    one gloo group, micro-batches of uneven token counts) must write one learner actor's lines to float32
+    rounding. A 2-rank run stopped at its step-2 checkpoint resumes on 1 rank, and a 1-rank run on 2."""
+    two_ranks = ["train.learner_ranks=2", f"train.parallel={parallel}", "train.micro_batch_tokens=40"]
+    ray.shutdown()  # a session of this module's other tests has 2 CPUs: this one starts its own with 3
+    one = Run(load_config(None, RANKS), tmp_path / "one")
+    one.run()
+    two = Run(load_config(None, [*RANKS, *two_ranks]), tmp_path / "two")
+    assert len(set(two.learner.pids)) == 2  # two processes, one rank each
+    two.run()
+    reference = _learning_lines(tmp_path / "one")
+    _same_lines(reference, _learning_lines(tmp_path / "two"))
+    # 2 → 1 and 1 → 2: the first two steps on one count of ranks, the last two on the other
+    Run(load_config(None, [*RANKS, *two_ranks, "train.steps=2"]), tmp_path / "down").run()
+    Run(load_config(None, RANKS), tmp_path / "down").run(resume=True)
+    _same_lines(reference, _learning_lines(tmp_path / "down"))
+    Run(load_config(None, [*RANKS, "train.steps=2"]), tmp_path / "up").run()
+    Run(load_config(None, [*RANKS, *two_ranks]), tmp_path / "up").run(resume=True)
+    _same_lines(reference, _learning_lines(tmp_path / "up"))
+
+
+def test_ray_learner_ranks_are_refused_where_they_cannot_run():
+    ray.shutdown()
+    with pytest.raises(ValueError, match="with rollout.runtime=ray runs the ranks as Ray actors: set "
+                                         "train.learner_runtime=ray"):
+        load_config(None, [*SMALL, "train.learner_ranks=2"])
+    with pytest.raises(ValueError, match=r"has 2 CPUs; rollout.workers=1 rollout actors and 2 learner actors need 3"):
+        Run(load_config(None, [*SMALL, "train.learner_runtime=ray", "train.learner_ranks=2"]))

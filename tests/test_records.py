@@ -110,3 +110,17 @@ def test_every_command_has_a_one_line_help():
     commands = [line.split()[0] for line in listed if line.strip()]
     assert all(len(line.split()) > 1 for line in listed if line.strip()), listed  # name and help on one line
     assert {"train", "sweep", "study", "demo", "report", "pack", "make-model"} <= set(commands)
+
+
+def test_every_committed_finished_run_has_its_metrics_record():
+    """A finished run (done.json) is committed with its line record (metrics.jsonl packed, or plain where git
+    keeps it): a report regenerated on a fresh clone must find every run it cites."""
+    repo = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(["git", "ls-files", "results"], cwd=repo, capture_output=True, text=True,
+                             check=False).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    files = set(tracked)
+    missing = [f for f in tracked if f.endswith("/done.json")
+               and not {f[:-9] + "metrics.jsonl.xz", f[:-9] + "metrics.jsonl"} & files]
+    assert not missing, f"finished runs committed without metrics: {missing[:5]}"

@@ -436,3 +436,19 @@ def test_the_schemas_choices_are_the_domains():
     probe = "import sys, driftless.train.config; print(sorted(m for m in ('torch', 'driftless.objectives', " \
             "'driftless.tasks', 'driftless.mismatch') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_held_out_evaluation_greedy_or_sampled(tmp_path):
+    """train.eval_samples=0 is the greedy answer per problem; N > 0 the mean over N samples a problem under the
+    rollout's sampling transform (the policy's expected reward). Repeating greedy answers leaves the mean."""
+    from driftless.rollout import SamplingParams
+    from driftless.train.evaluate import evaluate
+
+    run = Run(tiny_config("task.name=first-token", "train.eval_problems=16", "train.eval_samples=4"), tmp_path)
+    problems = run.eval_problems
+    greedy = evaluate(run.policy, run.task, run.text, problems, max_new_tokens=4)["eval_reward"]
+    assert evaluate(run.policy, run.task, run.text, problems, max_new_tokens=4, repeats=3)["eval_reward"] == greedy
+    sampled = evaluate(run.policy, run.task, run.text, problems, max_new_tokens=4, params=SamplingParams(),
+                       repeats=4)["eval_reward"]
+    assert 0 < sampled != greedy and (sampled * 64) == round(sampled * 64)  # 64 answers: 16 problems x 4
+    assert run._evaluate() == sampled  # the run's own evaluation is the sampled one (temperature 1)

@@ -77,6 +77,10 @@ CLAIMS += (
           "the drift regime's first step: plain SGD at a constant learning rate for 300 steps, which rate makes the "
           "no-mismatch reference learn by +0.10 in every seed (the severities and the comparisons follow)",
           extra=True),
+    Claim("drift-sgd", ("variant",),
+          "the drift regime calibrated: the SGD reference read on held-out sampled reward (4 samples a problem), "
+          "lr 0.1 and 0.03, and uncorrected pg under weight noise 0.02 to 0.3: where it degrades and collapses",
+          extra=True),
 )
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
 

@@ -270,6 +270,7 @@ class TrainSection(_Section):
     seed: int = 0
     eval_every: int = _positive(20)
     eval_problems: int = _positive(256)
+    eval_samples: int = _at_least(0, 0)  # 0: greedy, one per held-out problem; N: N samples each under the rollout's transform
     checkpoint_every: int = _positive(40)
     run_dir: str = "runs/default"
     progress: bool = True
@@ -388,9 +389,12 @@ def runtime_refusal(config: RunConfig) -> str | None:
         return (f"train.parallel=fsdp keeps no past versions' weights for Eq. 1 (this run needs "
                 f"{config.versions_to_keep()}: lag or staleness); set diagnostics.decomposition=false or "
                 "train.parallel=ddp")
-    if config.train.learner_ranks > 1 and rt != "sync":
-        return (f"train.learner_ranks={config.train.learner_ranks} runs under torchrun with rollout.runtime=sync "
-                f"(got {rt!r}); learner ranks as Ray actors are not built yet")
+    if t.learner_ranks > 1 and rt not in ("sync", "ray"):
+        return (f"train.learner_ranks={t.learner_ranks} runs under torchrun with rollout.runtime=sync, or as Ray "
+                f"actors with rollout.runtime=ray and train.learner_runtime=ray (got rollout.runtime={rt!r})")
+    if t.learner_ranks > 1 and rt == "ray" and t.learner_runtime != "ray":
+        return (f"train.learner_ranks={t.learner_ranks} with rollout.runtime=ray runs the ranks as Ray actors: set "
+                "train.learner_runtime=ray (a local learner in the Ray driver is one process)")
     if config.train.learner_runtime == "ray" and rt != "ray":
         return f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={rt!r}"
     if t.routing == "replay" and config.model.kind == "tiny" and not config.model.n_experts:

@@ -32,13 +32,16 @@ def clean_sampler(policy, text) -> Sampler:
 @torch.no_grad()
 def evaluate(policy, task, text, problems, *, max_new_tokens: int, params: SamplingParams | None = None,
              batch_size: int = 256, seed: int = 0, engine: RolloutEngine | None = None, samples: int = 0,
-             stop: tuple[str, ...] = ()) -> dict:
+             stop: tuple[str, ...] = (), repeats: int = 1) -> dict:
     """Mean reward on ``problems`` (greedy by default), sampled by ``engine`` (default: a clean copy of ``policy``).
 
     ``text``: the model's text interface (a TextCodec or a tokenizer). ``samples``: also return the first
     ``samples`` prompts as the model saw them (special tokens and chat template included) with their
-    decoded responses and rewards, under "samples". ``stop``: stop strings cut responses as in training."""
+    decoded responses and rewards, under "samples". ``stop``: stop strings cut responses as in training.
+    ``repeats``: each problem answered that many times (with sampled ``params``: the policy's expected reward
+    on held-out problems rather than its greedy answer's)."""
     params = params or SamplingParams(greedy=True)
+    problems = [p for p in problems for _ in range(repeats)]
     engine = engine or clean_sampler(policy, text)
     rewards, lengths, shown = [], [], []
     for start in range(0, len(problems), batch_size):

@@ -402,6 +402,24 @@ class Learner:
                 "optimizer": self.optimizer.state_dict(), "version": self.version,
                 "skipped_steps": self.skipped_steps, "versions": dict(self.versions)}
 
+    def whole_state_dict(self) -> dict | None:
+        """One process's checkpoint state (whole model, optimizer keyed by parameter index, as ``state_dict``
+        without ranks) on rank 0, None on the others. Under FSDP the shards are gathered to rank 0 one tensor at
+        a time (a collective: every rank calls it); with whole copies only rank 0 does any work."""
+        if not self.sharded:
+            return self.state_dict() if self.ranks.rank == 0 else None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optim = get_state_dict(self.policy, self.optimizer,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ranks.rank != 0:
+            return None
+        index = {n: i for i, n in enumerate(n for n, p in self.policy.named_parameters() if p.requires_grad)}
+        optimizer = {"state": {index[k]: v for k, v in optim["state"].items()},
+                     "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]]}
+        return {"model": model, "optimizer": optimizer, "version": self.version, "skipped_steps": self.skipped_steps,
+                "versions": dict(self.versions)}
+
     def load_state_dict(self, state: dict) -> None:
         """``state["dcp"]``: a torch.distributed.checkpoint folder (any number of ranks wrote it) holding the model
         and optimizer; otherwise ``model`` and ``optimizer`` as one process saves them."""

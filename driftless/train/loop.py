@@ -134,11 +134,14 @@ class Run:
 
     @_reproducible
     def _evaluate(self) -> float:
-        """Held-out greedy reward of the learner's policy (kept as ``last_eval``); a few of its prompts as the
-        model saw them, with their responses, go to ``samples.jsonl``."""
+        """Held-out reward of the learner's policy (kept as ``last_eval``): greedy, or with ``train.eval_samples``
+        the mean over that many samples per problem under the rollout's sampling transform; a few of its prompts
+        as the model saw them, with their responses, go to ``samples.jsonl``."""
+        n = self.config.train.eval_samples
         result = evaluate(self.policy, self.task, self.text, self.eval_problems,
                           max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL,
-                          stop=tuple(self.config.rollout.stop))
+                          stop=tuple(self.config.rollout.stop), params=build.sampling(self.config) if n else None,
+                          repeats=max(n, 1))
         self.last_eval = result["eval_reward"]
         if not self.primary:
             return self.last_eval
