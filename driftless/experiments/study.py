@@ -67,6 +67,9 @@ CLAIMS = (
     Claim("recipes", ("variant",), "complete recipes at one budget, held-out reward against wall time (seed 000 §6.4)"),
     Claim("sampler-kl-quantized", ("variant",),
           "follow-up to sampler-kl: the same β sweep under W4A4 + int4 KV, whose error does not scale with θ"),
+    Claim("moe", ("variant",),
+          "mixture of experts under sampler noise that flips routes: routing replay (R3) against pg / TIS / MIS / SC, "
+          "R3 with TIS and SC; aligned MoE with REINFORCE Zero at lag 0 and 2 (seed 000 §3, Ma et al. 2025)"),
     Claim("quantized-paper", ("variant", "mismatch.view"),
           "the quantized claim at the paper's settings (W8A8 + 4-bit KV; fp8), which do not hurt pg here "
           "(calibration): separates nothing, the slowest runs; outside the 5-hour study (`make study-paper`)",
