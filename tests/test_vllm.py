@@ -324,3 +324,94 @@ def test_the_shipped_vllm_config_runs_one_step(tmp_path):
     d = train(config)
     lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0] and lines[0]["version"] == 1
+
+
+def _tiny_qwen3_moe(path: Path) -> Path:
+    """A Qwen3-MoE checkpoint directory (8 experts, top-2, 2 layers) whose head size the CPU backend runs."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=CTX, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.weight.normal_(0, 1.0)  # a router with opinions
+    model.save_pretrained(path)
+    return path
+
+
+def test_the_cpu_builds_in_place_reload_changes_a_mixture_of_experts(tmp_path):
+    """Why driftless refuses a MoE checkpoint on vLLM's CPU backend: with vLLM's own API, reloading the engine's
+    weights in place from the very files it started from changes its log-probabilities (a dense checkpoint's do
+    not move: test_weight_sync...). If this fails, the installed build reloads MoE weights faithfully: lift
+    MOE_RELOAD_ON_CPU and sample MoE checkpoints through the engine."""
+    import vllm
+
+    path = _tiny_qwen3_moe(tmp_path / "moe")
+    engine = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+                      max_model_len=CTX, kv_cache_memory_bytes=64 << 20, logprobs_mode="processed_logprobs",
+                      max_logprobs=4, enable_prefix_caching=False, seed=0)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=4, detokenize=False, ignore_eos=True)
+
+    def head_logprobs():
+        outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        return torch.tensor([[sorted(e.logprob for e in step.values())[-4:] for step in o.outputs[0].logprobs]
+                             for o in outs])  # the head's 4 (a sampled token outside it comes as a 5th)
+
+    before = head_logprobs()
+    engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+    engine.reset_prefix_cache()
+    assert (head_logprobs() - before).abs().max() > 1e-2
+
+
+def test_a_moe_checkpoint_is_refused_on_the_cpu_backend_and_replay_needs_routes_the_build_returns(tmp_path):
+    """A MoE checkpoint is refused on the CPU backend by name (above); replay with rollout.engine=vllm needs
+    routed experts, which vLLM returns only from its Model Runner V2 (Triton): refused at start by name here."""
+    from driftless.rollout.vllm import routes_unavailable
+    from driftless.train import build, load_config
+
+    path = _tiny_qwen3_moe(tmp_path / "moe")
+    with pytest.raises(ValueError, match="a mixture-of-experts checkpoint on vLLM's CPU backend is refused"):
+        VLLMSampler(HFPolicy(path), model_dir=path)
+    why = routes_unavailable()
+    if why is None:
+        pytest.skip("this vLLM build returns routed experts")
+    assert "Triton" in why
+    with pytest.raises(ValueError, match="train.routing=replay with rollout.engine=vllm: this vLLM build returns"):
+        build.check(load_config(None, ["model.kind=hf", f"model.hf_path={path}", "rollout.engine=vllm",
+                                       "train.routing=replay"]))
+
+
+def test_engine_routes_land_at_the_positions_the_trainer_reads():
+    """vLLM's routed_experts ([fed positions, layers, k] per response, prompt first) into sampler_routes
+    [B, L, layers, k]: row i's positions before its last token, −1 after; a short or misshapen one is refused."""
+    import numpy as np
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from driftless.rollout.vllm import engine_routes
+
+    class MoE:  # the two facts engine_routes reads of a policy
+        route_shape, n_experts = (2, 2), 8
+
+    def output(routes):
+        done = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                routed_experts=routes)
+        return RequestOutput(request_id="0", prompt=None, prompt_token_ids=[], prompt_logprobs=None, outputs=[done],
+                             finished=True)
+
+    rng = np.random.default_rng(0)
+    first = np.stack([rng.permutation(8)[:2] for _ in range(5 * 2)]).reshape(5, 2, 2).astype(np.uint8)
+    second = np.stack([rng.permutation(8)[:2] for _ in range(3 * 2)]).reshape(3, 2, 2).astype(np.uint8)
+    length = torch.tensor([6, 4])  # 5 and 3 positions fed
+    routes = engine_routes([output(first), output(second)], length, MoE())
+    assert routes.shape == (2, 6, 2, 2) and routes.dtype == torch.int8
+    assert torch.equal(routes[0, :5], torch.from_numpy(first).to(torch.int8)) and (routes[0, 5] == -1).all()
+    assert torch.equal(routes[1, :3], torch.from_numpy(second).to(torch.int8)) and (routes[1, 3:] == -1).all()
+    with pytest.raises(RuntimeError, match=r"for row 1; expected at least \[3, 2, 2\]"):
+        engine_routes([output(first), output(second[:2])], length, MoE())
+    with pytest.raises(RuntimeError, match="for row 0"):
+        engine_routes([output(None), output(second)], length, MoE())

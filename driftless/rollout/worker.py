@@ -48,13 +48,14 @@ class RolloutSettings:
     engine: str = "driftless"  # driftless (the built-in Sampler) | vllm (driftless.rollout.vllm)
     stop: tuple[str, ...] = ()  # stop strings (rollout.stop): a response ends with the token completing one
     model_dir: str | None = None  # vllm: the checkpoint directory the engine loads, tokenizer included (model.hf_path)
+    routes: bool | None = None  # a MoE's routes: True recorded or refused (replay); None where the engine can
 
 
 ENGINES = ("driftless", "vllm")
 
 
 def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | tuple[int, ...] | None, pad_id: int, view=None,
-                 decode_latency: float = 0.0, model_dir: str | None = None) -> RolloutEngine:
+                 decode_latency: float = 0.0, model_dir: str | None = None, routes: bool | None = None) -> RolloutEngine:
     """The rollout engine by name: the built-in Sampler or the vLLM-backed one (same interface)."""
     if engine == "driftless":
         return Sampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view, decode_latency=decode_latency)
@@ -66,8 +67,8 @@ def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | tuple[int, .
 
         if model_dir is not None:  # the user's checkpoint, loaded by the engine with its own tokenizer
             return VLLMSampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view, model_dir=model_dir,
-                               tokenizer=True)
-        return VLLMSampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view)
+                               tokenizer=True, routes=routes)
+        return VLLMSampler(policy, head_k=head_k, eos_id=eos_id, pad_id=pad_id, view=view, routes=routes)
     raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
 
 
@@ -92,7 +93,8 @@ class RolloutWorker:
             policy.numerics = None  # the mismatch view decides the sampler's numerics
         self.sampler = make_sampler(settings.engine, policy, head_k=settings.head_k,
                                     eos_id=getattr(text, "eos_ids", text.eos_id), pad_id=text.pad_id, view=view,
-                                    decode_latency=settings.decode_latency, model_dir=settings.model_dir)
+                                    decode_latency=settings.decode_latency, model_dir=settings.model_dir,
+                                    routes=settings.routes)
         self.task, self.text, self.settings = task, text, settings
         self.snapshot: Snapshot | None = None  # the snapshot last loaded (before the view)
 

@@ -113,6 +113,12 @@ def check(config: RunConfig) -> RunConfig:
                                                                              or made.quant.kv is not None):
                 raise ValueError(f"mismatch.view={config.mismatch.view!r}: with rollout.engine=vllm only weight-only "
                                  "views and noise apply (activation / KV views need TinyLM's numerics hook)")
+    if config.train.routing == "replay" and config.rollout.engine == "vllm":
+        from driftless.rollout.vllm import routes_unavailable
+
+        why = routes_unavailable()  # an ImportError names the missing extra
+        if why:
+            raise ValueError(f"train.routing=replay with rollout.engine=vllm: {why}; use rollout.engine=driftless")
     return config
 
 
@@ -220,7 +226,8 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            head_k=r.head_k, seed=config.train.seed, refresh=r.refresh,
                            refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
                            decode_latency=r.decode_latency, engine=r.engine, stop=tuple(r.stop),
-                           model_dir=config.model.hf_path if config.model.kind == "hf" else None)
+                           model_dir=config.model.hf_path if config.model.kind == "hf" else None,
+                           routes=True if config.train.routing == "replay" else None)
 
 
 def worker(config: RunConfig, state: dict) -> RolloutWorker:

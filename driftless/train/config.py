@@ -400,9 +400,6 @@ def runtime_refusal(config: RunConfig) -> str | None:
     if t.routing == "replay" and config.model.kind == "tiny" and not config.model.n_experts:
         return ("train.routing=replay replays a mixture of experts' recorded expert ids: it needs model.n_experts "
                 f"> 0 (got {config.model.n_experts}, a dense model)")
-    if t.routing == "replay" and r.engine != "driftless":
-        return (f"train.routing=replay with rollout.engine={r.engine}: the installed engine returns no routed "
-                "experts to driftless; use rollout.engine=driftless")
     if r.engine == "vllm":
         if rt not in ("sync", "thread"):
             return (f"rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), "
