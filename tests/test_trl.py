@@ -123,7 +123,8 @@ def test_a_sampling_transform_is_recorded_and_scored_alike(brought, tmp_path):
 
 @pytest.mark.parametrize("extra,match", [
     ({"objective": "no-such-preset"}, "unknown|no-such-preset"),
-    ({"use_vllm": True}, "use_vllm=True is not supported yet"),
+    ({"use_vllm": True, "sampler_view": "noise:0.1"}, "with use_vllm=True the engine holds TRL's synced weights"),
+    ({"use_vllm": True, "vllm_mode": "colocate", "head_k": 32}, "head_k=32 exceeds the 20 log-probs a token"),
     ({"beta": 0.1}, "beta=0.1 is TRL's reference KL"),
     ({"repetition_penalty": 1.2}, "repetition_penalty / min_p"),
     ({"objective": "sc", "head_k": 4, "objective_params": {"top_k": 8}}, "reads 8 head ids but head_k=4"),

@@ -9,7 +9,13 @@
 The three lines that change in a TRL script: the two imports and ``objective=`` (any driftless preset,
 ``driftless.objectives.PRESETS``, with its parameters).
 
-**The sampler's side** (generation with transformers, ``use_vllm=False``): the generation is asked for
+**The sampler's side**, with vLLM (``use_vllm=True``, colocate or server): the engine is asked for the
+top-``head_k`` log-probs of every generated token (TRL asks for none beyond the sampled token's) under
+``processed_logprobs`` (after temperature, top-k and top-p: TRL's colocated engine sets it, a server is
+checked); the sampled token's log q is read by its id (the engine lists the head by rank, the sampled
+token last when it falls outside), the head carried next to TRL's ``sampling_per_token_logps``. A
+colocated engine returns at most 20 (vLLM's default ``max_logprobs``, which TRL does not raise): a
+larger ``head_k`` is refused there. With generation by transformers (``use_vllm=False``) the generation is asked for
 its processed scores (``output_scores``: the logits after the sampling transform actually applied,
 temperature then top-k then top-p), and log q of each generated token and the top-``head_k`` head
 (ids and log q) are read from those, under that very transform. The sampled tokens are never
@@ -26,8 +32,7 @@ once per generation: ``Totals``). TRL's own vLLM importance-sampling correction 
 applied twice). The objective's metrics (ratio tails, KL, ESS, head masses, masked and truncated
 fractions) are logged under ``driftless/``.
 
-Not supported (refused by name at construction): ``use_vllm=True`` (TRL's vLLM path asks for
-``logprobs=0`` and cannot carry the head yet), ``beta != 0`` (use the preset's ``ref_kl_beta``),
+Not supported (refused by name at construction): ``sampler_view`` with ``use_vllm=True``, ``beta != 0`` (use the preset's ``ref_kl_beta``),
 ``repetition_penalty`` / ``min_p`` (a transform the trainer does not reproduce), and any TRL version
 outside the tested one.
 """
@@ -46,6 +51,7 @@ from driftless.ops.logprobs import extract_logprobs
 from driftless.rollout.sampling import SamplingParams, entropy_from_logprobs, sampling_logprobs
 
 TESTED_TRL = ("1.16.",)  # the TRL releases this module was tested against
+VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the head a colocated engine (built by TRL) can return
 
 
 def _trl():
@@ -96,9 +102,15 @@ class DriftlessGRPOTrainer(GRPOTrainer):
             raise ValueError(f"DriftlessGRPOTrainer: generation_kwargs={config.generation_kwargs!r} may change q "
                              "beyond temperature / top-k / top-p, which the trainer would not reproduce; refused")
         objective = make(config.objective, **(config.objective_params or {}))  # unknown presets refused here
-        if config.use_vllm:
-            raise ValueError("DriftlessGRPOTrainer: use_vllm=True is not supported yet (TRL's vLLM path records only "
-                             "the sampled token's log q, not the head); use use_vllm=False")
+        if config.use_vllm and config.sampler_view != "none":
+            raise ValueError(f"DriftlessGRPOTrainer: sampler_view={config.sampler_view!r} acts on a transformers copy "
+                             "of the model; with use_vllm=True the engine holds TRL's synced weights: use "
+                             "use_vllm=False to inject a view")
+        if config.use_vllm and config.vllm_mode == "colocate" and config.head_k > VLLM_MAX_LOGPROBS:
+            raise ValueError(f"DriftlessGRPOTrainer: head_k={config.head_k} exceeds the {VLLM_MAX_LOGPROBS} log-probs a "
+                             "token TRL's colocated vLLM engine returns (vLLM's max_logprobs, which TRL leaves at its "
+                             f"default): use head_k <= {VLLM_MAX_LOGPROBS}, or vllm_mode='server' with "
+                             "--max-logprobs raised")
         if config.beta != 0:
             raise ValueError(f"DriftlessGRPOTrainer: beta={config.beta} is TRL's reference KL, which the driftless "
                              "loss does not apply; use objective_params={'ref_kl_beta': ...}")
@@ -125,6 +137,8 @@ class DriftlessGRPOTrainer(GRPOTrainer):
         if needs_full and config.head_k < vocab:
             raise ValueError(f"objective {config.objective!r} centers over all of q's support: it needs head_k = the "
                              f"vocabulary ({vocab}), got {config.head_k}; or give objective_params={{'top_k': k}}")
+        if self.use_vllm:
+            self._check_engine(config)
         self.objective = objective
         self.sampling = SamplingParams(temperature=config.temperature, top_k=config.top_k or 0,
                                        top_p=config.top_p if config.top_p is not None else 1.0)
@@ -153,9 +167,59 @@ class DriftlessGRPOTrainer(GRPOTrainer):
         self._sampler_model.eval()
         return self._sampler_model
 
+    def _check_engine(self, config) -> None:
+        """The vLLM engine returns q under the transform applied, with the head: asked for ``head_k`` log-probs a
+        token (TRL asks for none beyond the sampled token's); a server is checked for both."""
+        generation = self.vllm_generation
+        if config.vllm_mode == "server" and self.accelerator.is_main_process:
+            info = generation.vllm_client.get_server_info()["model_config"]
+            if info.get("logprobs_mode") != "processed_logprobs":
+                raise ValueError(f"the vLLM server runs with --logprobs-mode {info.get('logprobs_mode')}: its log q "
+                                 "is not the sampled distribution's; restart it with --logprobs-mode processed_logprobs")
+            cap = info.get("max_logprobs")
+            if cap is not None and config.head_k > cap:
+                raise ValueError(f"head_k={config.head_k} exceeds the vLLM server's --max-logprobs {cap}")
+        generation.logprobs = config.head_k
+
+    def _generate_with_vllm(self, prompt_ids, num_generations):
+        """TRL's vLLM generation, reading the sampled token's log q and the top-``head_k`` head from what the
+        engine returns per token (the head plus the sampled token when it falls outside: sorted by rank, so the
+        first entry is the most probable token, not necessarily the sampled one)."""
+        from trl.extras.profiling import profiling_context
+
+        if self.state.global_step != self._last_loaded_step:
+            with profiling_context(self, "sync_weights"):
+                self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
+            prompts=prompt_ids, images=None, num_generations=num_generations,
+            profiler=profiling_context(self, "vLLM.generate"))
+        k, heads, sampled = self.args.head_k, [], []
+        for row, (ids, lps, toks) in enumerate(zip(completion_ids, logprobs, token_ids)):
+            row_logq, row_ids, row_head = [], [], []
+            for t, token in enumerate(ids):
+                entries = {tok: (float("nan") if lp is None else lp) for tok, lp in zip(toks[t], lps[t])}
+                if token not in entries:
+                    raise RuntimeError(f"vLLM returned no log-prob for the sampled token {token} (row {row}, "
+                                       f"position {t})")
+                row_logq.append(entries[token])
+                ranked = sorted(entries.items(), key=lambda e: -e[1])[:k]
+                if len(ranked) < k:
+                    raise RuntimeError(f"vLLM returned {len(ranked)} head entries for row {row}, position {t}; "
+                                       f"head_k={k} were asked for")
+                row_ids.append([tok for tok, _ in ranked])
+                row_head.append([lp for _, lp in ranked])
+            sampled.append(row_logq)
+            heads.append((torch.tensor(row_ids, dtype=torch.long).reshape(len(ids), k),
+                          torch.tensor(row_head, dtype=torch.float32).reshape(len(ids), k)))
+        self._pending_head = heads if k else None
+        return [list(ids) for ids in completion_ids], sampled
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False) or multimodal_fields:
-            raise ValueError("DriftlessGRPOTrainer records q from transformers generation of text only")
+        if getattr(self, "use_transformers_continuous_batching", False) or multimodal_fields or images:
+            raise ValueError("DriftlessGRPOTrainer records q from transformers or vLLM generation of text only")
+        if self.use_vllm:
+            return self._generate_with_vllm(prompt_ids, num_generations)
         from trl.models import unwrap_model_for_generation
 
         device = self.accelerator.device
