@@ -81,8 +81,8 @@ CLAIMS += (
           "no-mismatch reference learn by +0.10 in every seed (the severities and the comparisons follow)",
           extra=True),
     Claim("drift-sgd", ("variant",),
-          "the drift regime calibrated: the SGD reference read on held-out sampled reward (4 samples a problem), "
-          "lr 0.1 and 0.03, and uncorrected pg under weight noise 0.02 to 0.3: where it degrades and collapses",
+          "the drift regime calibrated: the SGD reference (lr 0.1, 300 steps) read on held-out sampled reward (4 "
+          "samples a problem), and uncorrected pg under weight noise 0.05 / 0.15 / 0.3: where it degrades and collapses",
           extra=True),
 )
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
