@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-verify hf study study-paper study-quick test test-torchrun test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf study study-paper study-drift study-quick test test-torchrun test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -47,6 +47,11 @@ study: $(STAMP)
 study-paper: $(STAMP)
 	$(VENV)/bin/driftless study --only quantized-paper
 
+# the drift regime (docs/RESULTS.md §9): SGD at a constant rate for 300 steps, 5 seeds; about 8 hours on 2 cores,
+# outside make study; resumable
+study-drift: $(STAMP)
+	$(VENV)/bin/driftless study --only drift-sgd drift-noise drift-lag drift-adamw
+
 study-quick: $(STAMP)
 	$(VENV)/bin/driftless study --quick
 
@@ -73,7 +78,9 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_vllm.py tests/test_trl_vllm.py
+	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_vllm.py
+	# TRL's colocated engine in a process of its own (vLLM's process-wide parallel groups outlive an engine)
+	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_trl_vllm.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check driftless tests bench

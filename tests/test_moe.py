@@ -273,14 +273,16 @@ def test_moe_settings_that_cannot_be_honoured_are_refused_by_name(overrides, mat
 
 
 # -------------------------------------------------------------------------------- a transformers MoE checkpoint
-def tiny_qwen3_moe(tmp_path):
-    """A Qwen3-MoE checkpoint directory in the real format (config, safetensors), from a tiny local config."""
+def tiny_qwen3_moe(tmp_path, **sizes):
+    """A Qwen3-MoE checkpoint directory (``tmp_path / "qwen3-moe"``) in the real format (config, safetensors), from
+    a tiny local config whose ``sizes`` may be overridden."""
     import transformers
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=False)
+    config = transformers.Qwen3MoeConfig(**{
+        "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 64, "tie_word_embeddings": False,
+        **sizes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -19,6 +19,7 @@ from driftless.experiments.make_model import make_model
 from driftless.objectives import make
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows
+from test_trl import capture
 
 HEAD = 8
 
@@ -58,17 +59,7 @@ def test_trl_generating_with_vllm_records_the_engines_head_and_trains_with_the_o
     trainer = DriftlessGRPOTrainer(model=str(root / "model"), reward_funcs=length_reward, args=args,
                                    train_dataset=data, processing_class=tok)
     assert trainer.vllm_generation.logprobs == HEAD
-    seen = {}
-    real = trainer._compute_loss
-
-    def wrapped(model, inputs):
-        loss = real(model, inputs)
-        if not seen:
-            seen["inputs"] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()}
-            seen["loss"] = float(loss.detach())
-            seen["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return loss
-    trainer._compute_loss = wrapped
+    seen = capture(trainer)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
     assert trainer.state.global_step == 2

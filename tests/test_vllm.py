@@ -328,20 +328,9 @@ def test_the_shipped_vllm_config_runs_one_step(tmp_path):
 
 def _tiny_qwen3_moe(path: Path) -> Path:
     """A Qwen3-MoE checkpoint directory (8 experts, top-2, 2 layers) whose head size the CPU backend runs."""
-    import transformers
+    from test_moe import tiny_qwen3_moe
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=CTX, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith("mlp.gate"):
-                module.weight.normal_(0, 1.0)  # a router with opinions
-    model.save_pretrained(path)
-    return path
+    return tiny_qwen3_moe(path, vocab_size=VOCAB, hidden_size=64, intermediate_size=64, head_dim=32)
 
 
 def test_the_cpu_builds_in_place_reload_changes_a_mixture_of_experts(tmp_path):

@@ -85,6 +85,18 @@ CLAIMS += (
           "samples a problem), and uncorrected pg under weight noise 0.05 / 0.15 / 0.3: where it degrades and collapses",
           extra=True),
 )
+CLAIMS += (
+    Claim("drift-noise", ("variant", "mismatch.view"),
+          "the drift regime, experiment 1: SGD at a constant rate for 300 steps under sampler noise 0.05 and 0.15, "
+          "pg / tis / mis / dppo-tv / sc / sc+tis / sc+mis, 5 seeds (the paper's recipe; its §5.2 claims)",
+          extra=True),
+    Claim("drift-lag", ("variant",),
+          "the drift regime, experiment 2: lag 16 under SGD, pg / tis / mis / sc / sc+tis / sc+mis, 5 seeds",
+          extra=True),
+    Claim("drift-adamw", ("variant", "mismatch.view"),
+          "the drift regime, experiment 3: experiment 1's noise 0.15 comparison with AdamW at the same length "
+          "(pg / tis / sc / sc+tis, 5 seeds): does the optimizer decide which correction wins?", extra=True),
+)
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
 
 
