@@ -14,12 +14,12 @@ if os.environ.get("DRIFTLESS_REQUIRE_VLLM") != "1":
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from datasets import Dataset
+from test_trl import capture
 
 from driftless.experiments.make_model import make_model
 from driftless.objectives import make
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows
-from test_trl import capture
 
 HEAD = 8
 
