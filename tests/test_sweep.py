@@ -245,3 +245,14 @@ def test_paired_intervals_are_student_t_over_the_seeds_and_say_when_they_exclude
     assert separation(paired_interval([0.20, 0.21, 0.19, 0.20, 0.22])) == "above"
     assert separation(paired_interval([-0.20, -0.21, -0.19])) == "below"
     assert paired_interval([0.3]) is None and separation(None) == "— (one pair)"
+
+
+def test_early_late_means_the_first_and_last_fifth_of_the_steps():
+    import math
+
+    from driftless.experiments.sweep_report import early_late
+
+    rows = [{"kl_k3": float(i)} for i in range(10)] + [{"other": 1.0}]
+    assert early_late(rows, "kl_k3") == (0.5, 8.5)  # steps 0-1 and 8-9
+    assert early_late(rows[:3], "kl_k3") == (0.0, 2.0)  # at least one step each
+    assert all(math.isnan(x) for x in early_late(rows, "missing"))  # no such metric

@@ -37,6 +37,19 @@ from driftless.train.sinks import has_record
 
 COLLAPSE_MARGIN = 0.05
 LEVEL = 0.95  # the paired intervals' coverage
+PHASE = 0.2  # the drift table's early and late phases: the first and the last fifth of a run's steps
+DRIFT_KEYS = (("kl_k3", "KL(q‖p)", ".2e"), ("eq1_disagreement_abs", "Eq. 1 mean abs disagreement", ".2e"),
+              ("ratio_p99", "p99 p/q", ".3g"))
+
+
+def early_late(rows: list[dict], key: str, phase: float = PHASE) -> tuple[float, float]:
+    """Mean of ``key`` over the first and over the last ``phase`` of a run's steps (at least one step each):
+    whether a mismatch measure grows while the run trains (drift accumulating) or holds still."""
+    vals = [r[key] for r in rows if key in r]
+    if not vals:
+        return float("nan"), float("nan")
+    n = max(1, round(len(vals) * phase))
+    return statistics.fmean(vals[:n]), statistics.fmean(vals[-n:])
 
 
 def paired_interval(deltas: list[float], level: float = LEVEL) -> tuple[float, float, float] | None:
@@ -229,6 +242,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
             f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
             f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
     lines += _paired_table(groups, group_values, by, ref, paired)
+    lines += _drift_table(groups, ref)
     if paired_outside:
         lines += ["", (f"{len(paired_outside)} runs started from another initial model than the `{ref}` run of their "
                        f"seeds and are paired with the reference run of their seeds and initial model from "
@@ -283,6 +297,32 @@ def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple],
                  f"the seeds] (pairs). *Separates*: the interval excludes zero (above / below); *no*: it holds zero."),
             "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates |", "|---|---|---|---|---|",
             *rows]
+
+
+def _drift_table(groups: dict[str, list[dict]], ref: str) -> list[str]:
+    """Per group with a mismatch: each sampler–trainer measure's mean over the first and the last fifth of the
+    steps (mean over the runs) and their ratio: does the disagreement grow as the run trains? KL(q‖p) bounds
+    the size of the drift per token: the mean score under q in logit space is q − p, whose L1 norm is at most
+    √(2 KL) (Pinsker)."""
+    rows = []
+    for label, rs in groups.items():
+        if label == ref:
+            continue
+        cells = []
+        for key, _, fmt in DRIFT_KEYS:
+            pairs = [early_late(r["rows"], key) for r in rs]
+            early, late = statistics.fmean(e for e, _ in pairs), statistics.fmean(x for _, x in pairs)
+            growth = f" (×{late / early:.2f})" if early > 0 else ""
+            cells.append(f"{early:{fmt}} → {late:{fmt}}{growth}")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", (f"Mismatch over the run: each measure's mean over the first and the last {PHASE:.0%} of the steps "
+                 "(mean over the group's runs), and late / early. A growing KL is drift growing per token (the score's "
+                 "mean under q is q − p in logit space, of L1 norm at most √(2 KL)); a collapsed run's late phase is "
+                 "its collapsed policy's."),
+            "", "| group | " + " | ".join(name for _, name, _ in DRIFT_KEYS) + " |",
+            "|---|" + "---|" * len(DRIFT_KEYS), *rows]
 
 
 def _band(ax, xs_list, ys_list, label):
