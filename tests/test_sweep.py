@@ -131,6 +131,11 @@ def test_a_reference_is_crossed_with_the_seeds_only(tmp_path):
                                      reference={"mismatch.view": "none"}))
     trials = {t.name: t for t in exp.trials()}
     assert len(trials) == 2 * 2 * 2 + 2
+    assert list(trials) == [  # seed by seed: an interrupted sweep leaves whole paired seeds
+        "reference,train.seed=0", "pg,mismatch.view=noise:0.1,train.seed=0", "pg,mismatch.view=noise:0.2,train.seed=0",
+        "sc,mismatch.view=noise:0.1,train.seed=0", "sc,mismatch.view=noise:0.2,train.seed=0",
+        "reference,train.seed=1", "pg,mismatch.view=noise:0.1,train.seed=1", "pg,mismatch.view=noise:0.2,train.seed=1",
+        "sc,mismatch.view=noise:0.1,train.seed=1", "sc,mismatch.view=noise:0.2,train.seed=1"]
     ref = trials["reference,train.seed=1"]
     assert ref.values == {"variant": "reference", "train.seed": 1}
     assert exp.config(ref).mismatch.view == "none" and exp.config(ref).train.seed == 1

@@ -59,25 +59,29 @@ class Experiment:
     reference: dict | None = None  # one more variant, "reference", crossed with the grid's seed keys only
 
     def trials(self) -> list[Trial]:
-        """The reference's trials first (every comparison reads against them, and a calibration is read from them
-        before its variants finish), then each variant crossed with the grid."""
+        """Seed by seed (the grid's seed keys outermost): each seed's reference first (every comparison reads
+        against it, and a calibration is read from it before its variants finish), then each variant crossed with
+        the rest of the grid. An interrupted sweep thus leaves whole seeds, each method paired with the
+        reference and with pg of the same seeds, rather than every seed of a few methods."""
         keys = list(self.grid)
+        seeds = [k for k in keys if k in SEED_KEYS]
+        others = [k for k in keys if k not in SEED_KEYS]
         variants = list(self.variants.items()) or [(None, {})]
         out = []
-        if self.reference is not None:
-            seeds = [k for k in keys if k in SEED_KEYS]
-            for combo in itertools.product(*(self.grid[k] for k in seeds)):
-                values = dict(zip(seeds, combo))
-                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **self.reference, **values}.items()]
-                name = ",".join(["reference"] + [f"{k}={_fmt(v)}" for k, v in values.items()])
-                out.append(Trial(name.replace("/", "_"), {"variant": "reference", **values}, overrides))
-        for vname, vset in variants:
-            for combo in itertools.product(*(self.grid[k] for k in keys)):
-                values = dict(zip(keys, combo))
-                parts = ([vname] if vname is not None else []) + [f"{k}={_fmt(v)}" for k, v in values.items()]
-                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **vset, **values}.items()]
-                named = {"variant": vname, **values} if vname is not None else values
-                out.append(Trial(",".join(parts).replace("/", "_") or "default", named, overrides))
+        for seed_combo in itertools.product(*(self.grid[k] for k in seeds)):
+            seed_values = dict(zip(seeds, seed_combo))
+            if self.reference is not None:
+                overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **self.reference, **seed_values}.items()]
+                name = ",".join(["reference"] + [f"{k}={_fmt(v)}" for k, v in seed_values.items()])
+                out.append(Trial(name.replace("/", "_"), {"variant": "reference", **seed_values}, overrides))
+            for vname, vset in variants:
+                for combo in itertools.product(*(self.grid[k] for k in others)):
+                    picked = {**dict(zip(others, combo)), **seed_values}
+                    values = {k: picked[k] for k in keys}  # the grid's own key order names the trial
+                    parts = ([vname] if vname is not None else []) + [f"{k}={_fmt(v)}" for k, v in values.items()]
+                    overrides = [f"{k}={_yaml(v)}" for k, v in {**self.set, **vset, **values}.items()]
+                    named = {"variant": vname, **values} if vname is not None else values
+                    out.append(Trial(",".join(parts).replace("/", "_") or "default", named, overrides))
         return out
 
     def config(self, trial: Trial) -> RunConfig:
