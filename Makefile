@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-verify hf study study-paper study-drift study-quick test test-torchrun test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf study study-paper study-drift study-moe study-quick test test-torchrun test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -51,6 +51,11 @@ study-paper: $(STAMP)
 # outside make study; resumable
 study-drift: $(STAMP)
 	$(VENV)/bin/driftless study --only drift-sgd drift-noise drift-adamw drift-noise-mild drift-lag
+
+# moe.yaml's comparison in the drift regime (docs/RESULTS.md §10): 27 MoE runs of 300 steps, about 3 hours on
+# 2 cores, outside make study; resumable
+study-moe: $(STAMP)
+	$(VENV)/bin/driftless study --only moe-sgd
 
 study-quick: $(STAMP)
 	$(VENV)/bin/driftless study --quick
