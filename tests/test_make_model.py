@@ -193,3 +193,19 @@ def test_rows_of_other_shapes(tmp_path):
     assert info["train_reward"] == info["eval_reward"] == 1.0
     with pytest.raises(ValueError, match="'prompt'"):
         make_model(tmp_path / "n", rows_train=[{"completion": "1"}], rows_eval=rows, **TINY)
+
+
+def test_the_stand_in_is_built_where_configs_hf_yaml_reads_it_and_the_bpe_study_loads(tmp_path, monkeypatch):
+    from driftless.experiments.make_model import build_stand_in, countdown_rows, read_jsonl
+    from driftless.experiments.study import CLAIMS, STUDY_DIR
+    from driftless.experiments.sweep import load_experiment
+
+    info = build_stand_in(tmp_path / "runs", **TINY)
+    assert read_jsonl(tmp_path / "runs/data/countdown/train.jsonl") == countdown_rows("train")
+    assert read_jsonl(tmp_path / "runs/data/countdown/eval.jsonl") == countdown_rows("eval")
+    assert build_stand_in(tmp_path / "runs", **TINY) == info  # the same build: reused
+    monkeypatch.chdir(tmp_path)  # configs/hf.yaml's paths are relative to where driftless runs
+    for claim in [c for c in CLAIMS if c.stand_in]:
+        exp = load_experiment(STUDY_DIR / f"{claim.name}.yaml")  # checks every trial against the checkpoint
+        cfg = exp.config(exp.trials()[0])
+        assert cfg.model.kind == "hf" and cfg.model.hf_path == "runs/models/countdown-qwen3"

@@ -388,3 +388,22 @@ def make_model(
 
     _write_atomically(out_dir, write)
     return info
+
+
+def build_stand_in(root: str | Path = "runs", *, progress: bool = True, **settings) -> dict:
+    """What ``make hf`` builds before training, in ``root``: the built-in Countdown rows as data files
+    (``data/countdown/{train,eval}.jsonl``, ``driftless export-task``'s) and the checkpoint made from them
+    (``models/countdown-qwen3``, ``driftless make-model``'s defaults; reused when already built). Experiments on
+    ``configs/hf.yaml`` (the study's ``drift-bpe-*``) call it first; returns the checkpoint's info."""
+    from driftless.tasks.export import write_jsonl
+
+    root = Path(root)
+    data = root / "data" / "countdown"
+    rows = {}
+    for split in ("train", "eval"):
+        rows[split] = countdown_rows(split)
+        path = data / f"{split}.jsonl"
+        if not path.exists() or read_jsonl(path) != rows[split]:
+            write_jsonl(rows[split], path)
+    return make_model(root / "models" / "countdown-qwen3", rows_train=rows["train"], rows_eval=rows["eval"],
+                      progress=progress, **settings)

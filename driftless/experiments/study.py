@@ -44,6 +44,7 @@ class Claim:
     what: str
     extra: bool = False  # not in a plain ``driftless study`` (``make study``): named with ``--only`` (``make study-paper``)
     references: tuple[str, ...] = ()  # other sweeps (repo paths) whose references pair runs started elsewhere
+    stand_in: bool = False  # on configs/hf.yaml: build its data files and checkpoint first (``make hf``'s first steps)
 
 
 CLAIMS = (
@@ -99,6 +100,10 @@ CLAIMS += (
     Claim("drift-noise-mild", ("variant", "mismatch.view"),
           "the drift regime, experiment 1 at the milder severity: noise 0.05 (pg degrades), the same methods and seeds",
           extra=True),
+    Claim("drift-bpe-calibration", ("variant",),
+          "the drift regime on a BPE checkpoint (the Qwen3 stand-in of configs/hf.yaml, 275 tokens): which SGD rate "
+          "makes its reference learn, and whether pg degrades under noise 0.15 / 0.3 there (experiment 4's first step)",
+          extra=True, stand_in=True),
     Claim("drift-lag", ("variant",),
           "the drift regime, experiment 2: lag 16 under SGD, pg / tis / mis / sc / sc+tis / sc+mis, 5 seeds",
           extra=True),
@@ -120,6 +125,10 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
     the path of the study's index (``root/README.md``)."""
     root = Path(root)
     todo = [QUICK] if quick else claims(only)
+    if any(c.stand_in for c in todo):
+        from driftless.experiments.make_model import build_stand_in
+
+        build_stand_in(REPO / "runs", progress=progress)  # before the checks: they read the checkpoint
     exps = {c.name: load_experiment(STUDY_DIR / f"{c.name}.yaml") for c in todo}  # every file checked first
     log_path = root / "study.json"
     root.mkdir(parents=True, exist_ok=True)
