@@ -209,6 +209,37 @@ def test_two_learner_ranks_as_ray_actors_write_the_one_rank_lines_and_resume_acr
     _same_lines(reference, _learning_lines(tmp_path / "up"))
 
 
+@pytest.mark.torchrun
+def test_a_transformers_checkpoint_trains_on_two_ray_learner_ranks_as_on_one(tmp_path):
+    """What a user brings, on Ray learner ranks: a save_pretrained Qwen3 checkpoint with its BPE tokenizer and
+    chat template, a JSONL data file with the countdown reward, FSDP2 over 2 Ray actors: the one-actor lines."""
+    pytest.importorskip("transformers")
+    from driftless.experiments.make_model import make_model
+    from driftless.tasks import Countdown, CountdownConfig
+    from driftless.tasks.export import task_rows, write_jsonl
+
+    task = Countdown(CountdownConfig(2, 1, 12, 100))
+    train, held = task_rows(task, "train", draws=500), task_rows(task, "eval", draws=500)
+    write_jsonl(train, tmp_path / "data/train.jsonl")
+    write_jsonl(held, tmp_path / "data/eval.jsonl")
+    make_model(tmp_path / "model", rows_train=train, rows_eval=held, vocab_size=300, hidden=32, layers=2, heads=2,
+               kv_heads=1, intermediate=64, max_positions=64, sft_steps=10, sft_batch=8, progress=False)
+    hf = ["model.kind=hf", f"model.hf_path={tmp_path / 'model'}", "model.max_seq_len=64", "task.name=dataset",
+          f"task.path={tmp_path}/data/train.jsonl", f"task.eval_path={tmp_path}/data/eval.jsonl",
+          "task.reward=countdown", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=10",
+          "rollout.head_k=8", "objective.name=sc+tis", "objective.params={top_k: 8}", "mismatch.view=noise:0.1",
+          "train.eval_problems=8", "train.steps=2", "train.eval_every=2", "train.checkpoint_every=2",
+          "optim.name=adamw", "optim.lr=1e-3", "train.progress=false", "rollout.runtime=ray",
+          "rollout.ray_num_cpus=3", "rollout.staleness_bound=0", "train.learner_runtime=ray"]
+    ray.shutdown()
+    Run(load_config(None, hf), tmp_path / "one").run()
+    two = Run(load_config(None, [*hf, "train.learner_ranks=2", "train.parallel=fsdp", "train.micro_batch_tokens=64"]),
+              tmp_path / "two")
+    assert len(set(two.learner.pids)) == 2
+    two.run()
+    _same_lines(_learning_lines(tmp_path / "one"), _learning_lines(tmp_path / "two"))
+
+
 def test_ray_learner_ranks_are_refused_where_they_cannot_run():
     ray.shutdown()
     with pytest.raises(ValueError, match="with rollout.runtime=ray runs the ranks as Ray actors: set "
