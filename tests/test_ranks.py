@@ -134,22 +134,9 @@ def _same_lines(one, two, rel=1e-4):
 def test_a_transformers_checkpoint_trains_sharded_per_decoder_layer(tmp_path):
     """model.kind=hf under FSDP2: one unit per decoder layer and one for the model; the lines are one process's."""
     pytest.importorskip("transformers")
-    from driftless.experiments.make_model import make_model
-    from driftless.tasks import Countdown, CountdownConfig
-    from driftless.tasks.export import task_rows, write_jsonl
+    from conftest import hf_stand_in
 
-    task = Countdown(CountdownConfig(2, 1, 12, 100))
-    train, held = task_rows(task, "train", draws=500), task_rows(task, "eval", draws=500)
-    write_jsonl(train, tmp_path / "data/train.jsonl")
-    write_jsonl(held, tmp_path / "data/eval.jsonl")
-    make_model(tmp_path / "model", rows_train=train, rows_eval=held, vocab_size=300, hidden=32, layers=2, heads=2,
-               kv_heads=1, intermediate=64, max_positions=64, sft_steps=10, sft_batch=8, progress=False)
-    hf = ["model.kind=hf", f"model.hf_path={tmp_path / 'model'}", "model.max_seq_len=64", "task.name=dataset",
-          f"task.path={tmp_path}/data/train.jsonl", f"task.eval_path={tmp_path}/data/eval.jsonl",
-          "task.reward=countdown", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=10",
-          "rollout.head_k=8", "objective.name=sc+tis", "objective.params={top_k: 8}", "mismatch.view=noise:0.1",
-          "train.eval_problems=8", "train.steps=2", "train.eval_every=2", "train.checkpoint_every=2",
-          "optim.lr=1e-3"]
+    hf = hf_stand_in(tmp_path)
     one = _train(tmp_path / "one", base=hf)
     two = _train(tmp_path / "two", "train.learner_ranks=2", "train.parallel=fsdp", "train.micro_batch_tokens=64",
                  ranks=2, base=hf)

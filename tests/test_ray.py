@@ -214,22 +214,9 @@ def test_a_transformers_checkpoint_trains_on_two_ray_learner_ranks_as_on_one(tmp
     """What a user brings, on Ray learner ranks: a save_pretrained Qwen3 checkpoint with its BPE tokenizer and
     chat template, a JSONL data file with the countdown reward, FSDP2 over 2 Ray actors: the one-actor lines."""
     pytest.importorskip("transformers")
-    from driftless.experiments.make_model import make_model
-    from driftless.tasks import Countdown, CountdownConfig
-    from driftless.tasks.export import task_rows, write_jsonl
+    from conftest import hf_stand_in
 
-    task = Countdown(CountdownConfig(2, 1, 12, 100))
-    train, held = task_rows(task, "train", draws=500), task_rows(task, "eval", draws=500)
-    write_jsonl(train, tmp_path / "data/train.jsonl")
-    write_jsonl(held, tmp_path / "data/eval.jsonl")
-    make_model(tmp_path / "model", rows_train=train, rows_eval=held, vocab_size=300, hidden=32, layers=2, heads=2,
-               kv_heads=1, intermediate=64, max_positions=64, sft_steps=10, sft_batch=8, progress=False)
-    hf = ["model.kind=hf", f"model.hf_path={tmp_path / 'model'}", "model.max_seq_len=64", "task.name=dataset",
-          f"task.path={tmp_path}/data/train.jsonl", f"task.eval_path={tmp_path}/data/eval.jsonl",
-          "task.reward=countdown", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=10",
-          "rollout.head_k=8", "objective.name=sc+tis", "objective.params={top_k: 8}", "mismatch.view=noise:0.1",
-          "train.eval_problems=8", "train.steps=2", "train.eval_every=2", "train.checkpoint_every=2",
-          "optim.name=adamw", "optim.lr=1e-3", "train.progress=false", "rollout.runtime=ray",
+    hf = [*hf_stand_in(tmp_path), "optim.name=adamw", "train.progress=false", "rollout.runtime=ray",
           "rollout.ray_num_cpus=3", "rollout.staleness_bound=0", "train.learner_runtime=ray"]
     ray.shutdown()
     Run(load_config(None, hf), tmp_path / "one").run()
