@@ -47,7 +47,7 @@ study: $(STAMP)
 study-paper: $(STAMP)
 	$(VENV)/bin/driftless study --only quantized-paper
 
-# the drift regime (docs/RESULTS.md §9): SGD at a constant rate for 300 steps, 5 seeds; about 8 hours on 2 cores,
+# the drift regime (docs/RESULTS.md §9): SGD at a constant rate for 300 steps, 5 seeds; about 9 hours on 2 cores,
 # outside make study; resumable
 study-drift: $(STAMP)
 	$(VENV)/bin/driftless study --only drift-sgd drift-noise drift-adamw drift-noise-mild drift-bpe-calibration drift-lag
