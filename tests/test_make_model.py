@@ -200,10 +200,11 @@ def test_the_stand_in_is_built_where_configs_hf_yaml_reads_it_and_the_bpe_study_
     from driftless.experiments.study import CLAIMS, STUDY_DIR
     from driftless.experiments.sweep import load_experiment
 
-    info = build_stand_in(tmp_path / "runs", **TINY)
+    small = {**TINY, "sft_steps": 2}  # the build and its paths are under test, not what SFT teaches
+    info = build_stand_in(tmp_path / "runs", **small)
     assert read_jsonl(tmp_path / "runs/data/countdown/train.jsonl") == countdown_rows("train")
     assert read_jsonl(tmp_path / "runs/data/countdown/eval.jsonl") == countdown_rows("eval")
-    assert build_stand_in(tmp_path / "runs", **TINY) == info  # the same build: reused
+    assert build_stand_in(tmp_path / "runs", **small) == info  # the same build: reused
     monkeypatch.chdir(tmp_path)  # configs/hf.yaml's paths are relative to where driftless runs
     for claim in [c for c in CLAIMS if c.stand_in]:
         exp = load_experiment(STUDY_DIR / f"{claim.name}.yaml")  # checks every trial against the checkpoint
