@@ -128,7 +128,7 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
     if any(c.stand_in for c in todo):
         from driftless.experiments.make_model import build_stand_in
 
-        build_stand_in(REPO / "runs", progress=progress)  # before the checks: they read the checkpoint
+        build_stand_in("runs", progress=progress)  # where configs/hf.yaml reads it (relative to here), before the checks
     exps = {c.name: load_experiment(STUDY_DIR / f"{c.name}.yaml") for c in todo}  # every file checked first
     log_path = root / "study.json"
     root.mkdir(parents=True, exist_ok=True)
