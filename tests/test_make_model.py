@@ -210,3 +210,6 @@ def test_the_stand_in_is_built_where_configs_hf_yaml_reads_it_and_the_bpe_study_
         exp = load_experiment(STUDY_DIR / f"{claim.name}.yaml")  # checks every trial against the checkpoint
         cfg = exp.config(exp.trials()[0])
         assert cfg.model.kind == "hf" and cfg.model.hf_path == "runs/models/countdown-qwen3"
+        # what test_every_study_experiment_loads asks of every other claim
+        assert len(exp.grid["train.seed"]) >= 3 and exp.reference is not None
+        assert set(claim.by) <= {"variant", *exp.grid}
