@@ -269,11 +269,13 @@ def test_the_seed_table_lists_each_groups_final_reward_by_seed():
     from driftless.experiments.sweep_report import _seed_table
 
     def run(seed, final, initial=0.3):
-        return {"seeds": (seed, None), "final": final, "initial": initial}
+        return {"seeds": (seed, None), "final": final, "best": final + 0.1, "initial": initial}
     groups = {"reference": [run(0, 0.5), run(1, 0.45)], "pg": [run(1, 0.0)]}
     assert _seed_table(groups)[3:] == ["| group | seed 0 | seed 1 |", "|---|---|---|",
                                        "| reference | 0.500 | 0.450 |", "| pg | — | 0.000 |"]
     assert "every run starts at 0.300" in _seed_table(groups)[1]
+    assert _seed_table(groups, "best")[1].startswith("Best held-out reward")
+    assert _seed_table(groups, "best")[5:] == ["| reference | 0.600 | 0.550 |", "| pg | — | 0.100 |"]
     groups["pg"] = [run(1, 0.0, initial=0.2)]  # another start: each cell says where its run began
     assert _seed_table(groups)[-1] == "| pg | — | 0.000 (from 0.200) |"
     assert _seed_table({"pg": [run(0, 0.1), run(0, 0.2)]}) == []  # pooled runs of one seed: no per-seed reading

@@ -65,19 +65,9 @@ def capture(trainer):
     return seen
 
 
-@pytest.mark.parametrize("preset", ["pg", "tis", "sc", "sc+tis", "reinforce-zero"])
-def test_each_objective_trains_in_trl_and_its_loss_is_the_objectives(brought, tmp_path, preset):
-    trainer = trainer_for(brought, tmp_path, preset)
-    seen = capture(trainer)
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    trainer.train()
-    assert trainer.state.global_step == 3
-    assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
-    logged = {k for entry in trainer.state.log_history for k in entry}
-    assert {"driftless/kl_k3", "driftless/ratio_max", "driftless/ratio_ess", "driftless/loss"} <= logged
-    if preset.startswith("sc"):
-        assert "driftless/sampler_head_mass" in logged
-    # the loss of one captured batch, computed independently: the trainer's forward, log p, the objective
+def rescore(trainer, seen):
+    """The captured batch scored independently at the captured weights: the trainer's forward, log p of the sampled
+    tokens and of the sampler's head ids (``view``), and the objective's batch from what TRL recorded."""
     inputs = seen["inputs"]
     model = trainer.model
     model.load_state_dict(seen["state"])
@@ -91,10 +81,27 @@ def test_each_objective_trains_in_trl_and_its_loss_is_the_objectives(brought, tm
     mask = inputs["completion_mask"].bool()
     batch = {"sampler_logp": torch.where(mask, inputs["sampling_per_token_logps"], 0.0), "action_mask": mask,
              "advantage": inputs["advantages"], "sampler_topk_logp": inputs["sampler_topk_logp"]}
+    return view, batch
+
+
+@pytest.mark.parametrize("preset", ["pg", "tis", "sc", "sc+tis", "reinforce-zero"])
+def test_each_objective_trains_in_trl_and_its_loss_is_the_objectives(brought, tmp_path, preset):
+    trainer = trainer_for(brought, tmp_path, preset)
+    seen = capture(trainer)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"driftless/kl_k3", "driftless/ratio_max", "driftless/ratio_ess", "driftless/loss"} <= logged
+    if preset.startswith("sc"):
+        assert "driftless/sampler_head_mass" in logged
+    # the loss of one captured batch, computed independently: the trainer's forward, log p, the objective
+    view, batch = rescore(trainer, seen)
     expected, _ = make(preset, **({"top_k": 8} if preset.startswith("sc") else {}))(view, batch)
     assert seen["loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
     # q was recorded from the generation's own scores: at the same weights it is the trainer's p
-    on = mask
+    on = batch["action_mask"]
     assert float((view["logp"] - batch["sampler_logp"])[on].abs().max()) < 1e-4
 
 

@@ -14,7 +14,7 @@ if os.environ.get("DRIFTLESS_REQUIRE_VLLM") != "1":
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from datasets import Dataset
-from test_trl import capture
+from test_trl import capture, rescore
 
 from driftless.experiments.make_model import make_model
 from driftless.objectives import make
@@ -75,19 +75,9 @@ def test_trl_generating_with_vllm_records_the_engines_head_and_trains_with_the_o
     in_head = (ids == inputs["completion_ids"][..., None]) & mask[..., None]
     assert bool(in_head.any())
     assert torch.equal(head[in_head], logq[..., None].expand_as(head)[in_head])  # the sampled token read by its id
-    model = trainer.model
-    model.load_state_dict(seen["state"])
-    t = inputs["completion_ids"].shape[1]
-    full = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    with torch.no_grad():
-        logp_all = model(input_ids=full, attention_mask=attention).logits[:, -t - 1:-1].float().log_softmax(-1)
-    view = {"logp": logp_all.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1),
-            "head_logp": logp_all.gather(-1, ids)}
+    view, batch = rescore(trainer, seen)
     # TRL builds the engine with vLLM's dtype "auto": bfloat16 here, against the float32 trainer (measured 6.6e-3)
     assert trainer.vllm_generation.llm.llm_engine.model_config.dtype == torch.bfloat16
     assert float((view["logp"] - logq)[mask].abs().max()) < 2e-2
-    batch = {"sampler_logp": torch.where(mask, logq, 0.0), "action_mask": mask, "advantage": inputs["advantages"],
-             "sampler_topk_logp": head}
     expected, _ = make("sc+tis", top_k=HEAD)(view, batch)
     assert seen["loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)

@@ -242,7 +242,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
             f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
             f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
     lines += _paired_table(groups, group_values, by, ref, paired)
-    lines += _seed_table(groups)
+    lines += _seed_table(groups) + _seed_table(groups, "best")
     lines += _drift_table(groups, ref)
     if paired_outside:
         lines += ["", (f"{len(paired_outside)} runs started from another initial model than the `{ref}` run of their "
@@ -300,9 +300,10 @@ def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple],
             *rows]
 
 
-def _seed_table(groups: dict[str, list[dict]]) -> list[str]:
-    """Each group's final held-out reward per seed, so a verdict can be read seed by seed (with each run's initial
-    held-out reward where the runs did not all start from one); only when no group pools runs of one seed."""
+def _seed_table(groups: dict[str, list[dict]], key: str = "final") -> list[str]:
+    """Each group's final (``key="final"``) or best (``"best"``: the highest of the run's evaluations) held-out
+    reward per seed, so a verdict can be read seed by seed (with each run's initial held-out reward where the runs
+    did not all start from one); only when no group pools runs of one seed."""
     seeds = sorted({r["seeds"] for rs in groups.values() for r in rs}, key=str)
     if len(seeds) < 2 or any(len({r["seeds"] for r in rs}) != len(rs) for rs in groups.values()):
         return []
@@ -310,14 +311,15 @@ def _seed_table(groups: dict[str, list[dict]]) -> list[str]:
     one_start = len(starts) == 1
 
     def cell(r):
-        return f"{r['final']:.3f}" if one_start else f"{r['final']:.3f} (from {r['initial']:.3f})"
+        return f"{r[key]:.3f}" if one_start else f"{r[key]:.3f} (from {r['initial']:.3f})"
     rows = []
     for label, rs in groups.items():
         by_seed = {r["seeds"]: r for r in rs}
         rows.append(f"| {label} | " + " | ".join(cell(by_seed[x]) if x in by_seed else "—" for x in seeds) + " |")
     head = [", ".join(str(v) for v in x if v is not None) or "—" for x in seeds]
-    return ["", "Final held-out reward per seed" + (f" (every run starts at {starts.pop():.3f}):" if one_start else
-                                                    " (from the run's initial held-out reward):"), "",
+    what = {"final": "Final held-out reward", "best": "Best held-out reward (the highest evaluation of the run)"}[key]
+    return ["", f"{what} per seed" + (f" (every run starts at {starts.pop():.3f}):" if one_start else
+                                      " (from the run's initial held-out reward):"), "",
             "| group | " + " | ".join(f"seed {h}" for h in head) + " |", "|---|" + "---|" * len(seeds), *rows]
 
 
