@@ -134,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="other sweeps whose reference runs a run may pair with (same seeds, same initial model)")
     rep.set_defaults(func=_report)
 
+    cmp = sub.add_parser("compare", help="the same methods of several sweeps side by side: driftless compare A B")
+    cmp.add_argument("sweep_dirs", nargs="+", metavar="SWEEP_DIR")
+    cmp.add_argument("--labels", nargs="+", default=None, help="one name per sweep (default: the folders' names)")
+    cmp.add_argument("--by", nargs="+", default=None, help="grid keys to group by (default: all but the seeds)")
+    cmp.add_argument("--out", default=None, help="also write the table to this Markdown file")
+    cmp.set_defaults(func=_compare)
+
     st = sub.add_parser("study", help="the seeds' comparisons in miniature (docs/RESULTS.md); resumable")
     st.add_argument("--quick", action="store_true", help="the headline subset only, into runs/study-quick")
     st.add_argument("--only", nargs="+", default=None, help="these experiments of experiments/study/ only")
@@ -371,6 +378,19 @@ def _report(args) -> int:
     from driftless.experiments.sweep_report import write_sweep_report
 
     print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references).read_text())
+    return 0
+
+
+def _compare(args) -> int:
+    from pathlib import Path
+
+    from driftless.experiments.sweep_report import compare_sweeps
+
+    text = compare_sweeps(args.sweep_dirs, labels=args.labels, by=args.by)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text, end="")
     return 0
 
 

@@ -279,3 +279,45 @@ def test_the_seed_table_lists_each_groups_final_reward_by_seed():
     groups["pg"] = [run(1, 0.0, initial=0.2)]  # another start: each cell says where its run began
     assert _seed_table(groups)[-1] == "| pg | — | 0.000 (from 0.200) |"
     assert _seed_table({"pg": [run(0, 0.1), run(0, 0.2)]}) == []  # pooled runs of one seed: no per-seed reading
+
+
+def fake_sweep(root, finals: dict[str, list[float]], start=0.3):
+    """A sweep's records without training: per variant, one run a seed whose held-out reward goes start → final."""
+    trials = {}
+    for variant, values in finals.items():
+        for seed, final in enumerate(values):
+            name = f"{variant},train.seed={seed}"
+            trials[name] = {"values": {"variant": variant, "train.seed": seed}}
+            run = root / name
+            run.mkdir(parents=True)
+            (run / "initial_eval.json").write_text(json.dumps({"eval_reward": start}))
+            (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "eval_reward": y}) + "\n"
+                                                       for i, y in enumerate([start, (start + final) / 2, final])))
+            (run / "done.json").write_text("{}")
+    (root / "sweep.json").write_text(json.dumps({"reference": {}, "variants": {}, "grid": {"train.seed": [0, 1, 2]},
+                                                 "trials": trials}))
+    return root
+
+
+def test_compare_puts_two_sweeps_verdicts_side_by_side_and_says_where_they_differ(tmp_path, capsys):
+    from driftless.cli import main
+    from driftless.experiments.sweep_report import compare_sweeps
+
+    a = fake_sweep(tmp_path / "sgd", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1], "sc": [0.5, 0.52, 0.48]})
+    b = fake_sweep(tmp_path / "adamw", {"reference": [0.5, 0.5, 0.5], "pg": [0.45, 0.5, 0.56], "sc": [0.5, 0.51, 0.49],
+                                        "tis": [0.5, 0.5, 0.5]})
+    text = compare_sweeps([a, b], labels=["SGD", "AdamW"])
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "tis" not in rows  # only the groups every sweep has
+    assert rows["pg"] == ("| pg | -0.467 [-0.610, -0.323] (3) **below** | — | 3 of 3 | +0.003 [-0.133, +0.140] (3) | — "
+                          "| 0 of 3 | **no** |")  # pg collapses under one setting only: the verdict changed
+    assert rows["sc"] == ("| sc | +0.000 [-0.050, +0.050] (3) | +0.467 [+0.279, +0.655] (3) **above** | 0 of 3 "
+                          "| +0.000 [-0.025, +0.025] (3) | -0.003 [-0.155, +0.148] (3) | 0 of 3 | **no** |")
+    assert rows["reference"].startswith("| reference | — | +0.467 [+0.323, +0.610] (3) **above** |")
+    assert rows["reference"].endswith("| — |")
+    same = compare_sweeps([a, a], labels=["one", "again"])
+    assert "**no**" not in same and same.count("| yes |") == 2  # a sweep beside itself: the same verdicts
+    assert main(["compare", str(a), str(b), "--labels", "SGD", "AdamW", "--out", str(tmp_path / "side.md")]) == 0
+    assert (tmp_path / "side.md").read_text() == text == capsys.readouterr().out
+    with pytest.raises(ValueError, match="2 labels for 1 sweeps|at least two"):
+        compare_sweeps([a], labels=["SGD", "AdamW"])

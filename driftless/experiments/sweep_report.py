@@ -164,11 +164,13 @@ def reference_runs(sweep_dir: Path) -> list[dict]:
     return rows
 
 
-def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) -> Path:
-    """The sweep's table and plots; ``references``: other sweeps whose reference runs a run pairs with
-    when they started from its initial model and the sweep's own reference of its seeds did not."""
+def group_runs(sweep_dir, by: list[str] | None = None) -> tuple[dict[str, list[dict]], dict[str, tuple], list[str],
+                                                               str, list[str]]:
+    """A sweep's finished runs grouped by the keys ``by`` (default: every grid key but the seeds):
+    ``(groups {label: run rows}, group_values {label: the keys' values}, by, the reference group's label,
+    problems)``. The reference: the experiment's ``reference`` variant, else the group with
+    ``mismatch.view=none``, else the group with the best mean final reward."""
     sweep_dir = Path(sweep_dir)
-    outside = [row for other in references for row in reference_runs(Path(other))]
     runs, keys, problems = find_runs(sweep_dir)
     if not runs:
         raise ValueError(f"{sweep_dir}: none of the sweep's trials has run yet ({len(problems)} listed)")
@@ -190,6 +192,16 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
     ref = reference if "variant" in by else None
     ref = ref or next((g for g, rs in groups.items() if "none" in g.split(", ") and "mismatch.view" in by), None)
     ref = ref or max(groups, key=lambda g: statistics.fmean(r["final"] for r in groups[g]))
+    return groups, group_values, by, ref, problems
+
+
+def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) -> Path:
+    """The sweep's table and plots; ``references``: other sweeps whose reference runs a run pairs with
+    when they started from its initial model and the sweep's own reference of its seeds did not."""
+    sweep_dir = Path(sweep_dir)
+    outside = [row for other in references for row in reference_runs(Path(other))]
+    groups, group_values, by, ref, problems = group_runs(sweep_dir, by)
+    runs = [r for rs in groups.values() for r in rs]
     start = statistics.fmean(r["initial"] for rs in groups.values() for r in rs)
     threshold = start + 0.5 * (statistics.fmean(r["final"] for r in groups[ref]) - start)
     lines = [f"# Sweep report: {sweep_dir.name}", "",
@@ -264,31 +276,35 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
     return out
 
 
+def pg_partner(group_values: dict[str, tuple], by: list[str], label: str) -> str | None:
+    """The group that differs from ``label`` only in its method (``variant`` or ``objective.name``), which is pg."""
+    method = next((i for i, k in enumerate(by) if k in ("variant", "objective.name")), None)
+    if method is None:
+        return None
+    mine = group_values[label]
+    return next((g for g, v in group_values.items() if v[method] == "pg" and g != label
+                 and all(x == y for i, (x, y) in enumerate(zip(v, mine)) if i != method)), None)
+
+
+def paired_deltas(runs: list[dict], others: list[dict]) -> list[float]:
+    """Final held-out reward of each run minus that of the run in ``others`` with the same seeds and initial model."""
+    by_seeds = {r["seeds"]: r for r in others}
+    return [r["final"] - by_seeds[r["seeds"]]["final"] for r in runs
+            if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r)]
+
+
 def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple], by: list[str], ref: str,
                   paired: dict[str, list[float]]) -> list[str]:
     """Per group: the per-seed differences of final held-out reward from the reference run of the same seeds
     and initial model, and from the pg run of the same seeds and other keys (where the sweep has pg), each
     with its mean, a Student-t interval over the seeds and whether the interval excludes zero."""
-    method = next((i for i, k in enumerate(by) if k in ("variant", "objective.name")), None)
-
-    def pg_partner(label):
-        if method is None:
-            return None
-        mine = group_values[label]
-        return next((g for g, v in group_values.items() if v[method] == "pg" and g != label
-                     and all(x == y for i, (x, y) in enumerate(zip(v, mine)) if i != method)), None)
-
     rows = []
     for label, rs in groups.items():
         if label == ref:
             continue
         vs_ref = paired.get(label, [])
-        partner = pg_partner(label)
-        vs_pg = []
-        if partner is not None:
-            by_seeds = {r["seeds"]: r for r in groups[partner]}
-            vs_pg = [r["final"] - by_seeds[r["seeds"]]["final"] for r in rs
-                     if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r)]
+        partner = pg_partner(group_values, by, label)
+        vs_pg = paired_deltas(rs, groups[partner]) if partner is not None else []
         ref_i, pg_i = paired_interval(vs_ref), paired_interval(vs_pg)
         rows.append(f"| {label} | {_interval_cell(ref_i, len(vs_ref))} | {separation(ref_i)} | "
                     + (f"{_interval_cell(pg_i, len(vs_pg))} | {separation(pg_i)} |" if partner else "— | — |"))
@@ -298,6 +314,48 @@ def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple],
                  f"the seeds] (pairs). *Separates*: the interval excludes zero (above / below); *no*: it holds zero."),
             "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates |", "|---|---|---|---|---|",
             *rows]
+
+
+def compare_sweeps(sweeps: list, labels: list[str] | None = None, by: list[str] | None = None) -> str:
+    """``driftless compare A B …``: the same groups (methods) of several sweeps side by side — each sweep's paired
+    Δ vs its own reference and vs its own pg (mean [Student-t interval over its seeds], whether it separates),
+    and how many runs collapsed — with a last column saying whether every sweep gives the same verdicts
+    (the separations vs the reference and vs pg). For one comparison rerun under another setting (an optimizer,
+    a run length): do the verdicts change?"""
+    sweeps = [Path(x) for x in sweeps]
+    labels = list(labels or [x.name for x in sweeps])
+    if len(labels) != len(sweeps):
+        raise ValueError(f"compare --labels: {len(labels)} labels for {len(sweeps)} sweeps")
+    if len(sweeps) < 2:
+        raise ValueError("compare: name at least two sweep directories")
+    read = [group_runs(x, by) for x in sweeps]
+    order = [g for g in read[0][0] if all(g in groups for groups, *_ in read)]
+    if not order:
+        raise ValueError(f"compare: no group is in every sweep ({', '.join(map(str, sweeps))})")
+    head = "| group | " + " | ".join(f"{lab}: Δ vs reference | {lab}: Δ vs pg | {lab}: collapsed" for lab in labels)
+    lines = [f"# Side by side: {', '.join(f'{lab} (`{x}`)' for lab, x in zip(labels, sweeps))}", "",
+             (f"Per group, in each sweep: final held-out reward minus that of the same sweep's reference (and pg) run of "
+              f"the same seeds, mean [{LEVEL:.0%} Student-t interval over the seeds] (pairs), **above** / **below** "
+              f"when the interval excludes zero; collapsed: runs whose held-out reward fell below its start − "
+              f"{COLLAPSE_MARGIN} for good. *Same verdicts*: every sweep separates alike vs the reference and vs pg. "
+              f"Regenerate with `driftless compare {' '.join(map(str, sweeps))} --labels {' '.join(labels)}`."), "",
+             head + " | same verdicts |", "|---|" + "---|---|---|" * len(sweeps) + "---|"]
+    for g in order:
+        cells, verdicts = [], []
+        for groups, values, keys, ref, _ in read:
+            rs = groups[g]
+            vs_ref = paired_deltas(rs, groups[ref]) if g != ref else []
+            partner = pg_partner(values, keys, g)
+            vs_pg = paired_deltas(rs, groups[partner]) if partner is not None else []
+            ref_i, pg_i = paired_interval(vs_ref), paired_interval(vs_pg)
+            verdicts.append((separation(ref_i), separation(pg_i)))
+            mark = {"above": " **above**", "below": " **below**"}
+            cells += ["—" if g == ref else _interval_cell(ref_i, len(vs_ref)) + mark.get(separation(ref_i), ""),
+                      "—" if partner is None else _interval_cell(pg_i, len(vs_pg)) + mark.get(separation(pg_i), ""),
+                      f"{sum(r['collapse'] is not None for r in rs)} of {len(rs)}"]
+        same = "—" if g == read[0][3] else "yes" if len(set(verdicts)) == 1 else "**no**"
+        lines.append(f"| {g} | " + " | ".join(cells) + f" | {same} |")
+    return "\n".join(lines) + "\n"
 
 
 def _seed_table(groups: dict[str, list[dict]], key: str = "final") -> list[str]:
