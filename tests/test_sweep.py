@@ -265,6 +265,17 @@ def test_early_late_means_the_first_and_last_fifth_of_the_steps():
     assert all(math.isnan(x) for x in early_late(rows, "missing"))  # no such metric
 
 
+def test_the_drift_table_gives_each_groups_growth_and_each_runs_own():
+    from driftless.experiments.sweep_report import _drift_table
+
+    def run(seed, kls):
+        return {"seeds": (seed, None), "rows": [{"kl_k3": k, "eq1_disagreement_abs": 1.0, "ratio_p99": 2.0} for k in kls]}
+    groups = {"reference": [run(0, [0.0] * 5)], "pg": [run(1, [1, 1, 1, 1, 8]), run(0, [1, 1, 1, 1, 2])]}
+    table = _drift_table(groups, "reference")
+    assert table[-1] == "| pg | 1.00e+00 → 5.00e+00 (×5.00) | 1.00e+00 → 1.00e+00 (×1.00) | 2 → 2 (×1.00) | ×2.00, ×8.00 |"
+    assert len(table) == 6  # the reference has no mismatch to follow
+
+
 def test_the_seed_table_lists_each_groups_final_reward_by_seed():
     from driftless.experiments.sweep_report import _seed_table
 

@@ -90,14 +90,14 @@ CLAIMS += (
           extra=True),
 )
 CLAIMS += (
-    Claim("drift-noise", ("variant", "mismatch.view"),
+    Claim("drift-noise", ("variant",),
           "the drift regime, experiment 1: SGD at a constant rate for 300 steps under sampler noise 0.15 (pg "
           "collapses), pg / sc / tis / sc+tis / mis / sc+mis / dppo-tv, 5 seeds (the paper's recipe; its §5.2 claims)",
           extra=True),
-    Claim("drift-adamw", ("variant", "mismatch.view"),
+    Claim("drift-adamw", ("variant",),
           "the drift regime, experiment 3: experiment 1's noise 0.15 comparison with AdamW at the same length "
           "(pg / tis / sc / sc+tis, 5 seeds): does the optimizer decide which correction wins?", extra=True),
-    Claim("drift-noise-mild", ("variant", "mismatch.view"),
+    Claim("drift-noise-mild", ("variant",),
           "the drift regime, experiment 1 at the milder severity: noise 0.05 (pg degrades), the same methods and seeds",
           extra=True),
     Claim("drift-bpe-calibration", ("variant",),

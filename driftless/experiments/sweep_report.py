@@ -396,15 +396,17 @@ def _drift_table(groups: dict[str, list[dict]], ref: str) -> list[str]:
             early, late = statistics.fmean(e for e, _ in pairs), statistics.fmean(x for _, x in pairs)
             growth = f" (×{late / early:.2f})" if early > 0 else ""
             cells.append(f"{early:{fmt}} → {late:{fmt}}{growth}")
+        each = [early_late(r["rows"], "kl_k3") for r in sorted(rs, key=lambda r: str(r["seeds"]))]
+        cells.append(", ".join(f"×{x / e:.2f}" if e > 0 else "—" for e, x in each))  # NaN (no KL) prints ×nan
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     if not rows:
         return []
     return ["", (f"Mismatch over the run: each measure's mean over the first and the last {PHASE:.0%} of the steps "
                  "(mean over the group's runs), and late / early. A growing KL is drift growing per token (the score's "
                  "mean under q is q − p in logit space, of L1 norm at most √(2 KL)); a collapsed run's late phase is "
-                 "its collapsed policy's."),
-            "", "| group | " + " | ".join(name for _, name, _ in DRIFT_KEYS) + " |",
-            "|---|" + "---|" * len(DRIFT_KEYS), *rows]
+                 "its collapsed policy's. The last column: each run's own KL late / early, in seed order."),
+            "", "| group | " + " | ".join(name for _, name, _ in DRIFT_KEYS) + " | KL late / early, each run |",
+            "|---|" + "---|" * (len(DRIFT_KEYS) + 1), *rows]
 
 
 def _band(ax, xs_list, ys_list, label):
