@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-verify hf study study-paper study-drift study-moe study-quick test test-torchrun test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf study study-paper study-drift study-moe study-quick test test-slow test-torchrun test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -62,6 +62,10 @@ study-quick: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# resumes of whole sweeps, studies and warm-start checks (killed midway, continued, compared): minutes; CI runs it
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow tests
 
 # whole runs with 2 gloo learner ranks, under torchrun and as Ray actors (resumes 2→1, 2→2, 1→2): minutes of
 # process start-ups; CI runs it

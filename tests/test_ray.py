@@ -109,6 +109,7 @@ def test_the_learner_as_a_ray_actor_trains_exactly_as_in_the_driver(tmp_path):
     assert remote_lines[-1]["version"] == 6 and "eval_reward" in remote_lines[2]
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_learner_actor_resumes_from_a_checkpoint_and_too_few_cpus_are_refused(tmp_path):
     cfg = [*SMALL, "train.learner_runtime=ray", "rollout.staleness_bound=1", "train.checkpoint_every=3"]
     Run(load_config(None, [*cfg, "train.steps=3"]), tmp_path).run()

@@ -60,6 +60,7 @@ def test_collapse_step_is_the_first_evaluation_below_the_line_never_recovered():
     assert collapse_step(xs, [0.5, 0.3, 0.2, 0.1, 0.45]) is None  # recovered to within the margin
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_killed_sweep_resumes_where_it_stopped_and_matches_an_uninterrupted_one(tmp_path):
     exp = experiment(tmp_path, {"objective.name": ["pg", "sc"]},
                      variants={"noisy": {"mismatch.view": "noise:0.05"}, "stale": {"rollout.lag": 1}})
@@ -159,6 +160,7 @@ def test_every_study_experiment_loads():
         assert set(claim.by) <= {"variant", *exp.grid}, claim.name  # the report groups by keys it has
 
 
+@pytest.mark.slow  # make test-slow
 def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped(tmp_path, monkeypatch):
     from driftless.experiments import study
 

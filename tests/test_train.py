@@ -303,6 +303,7 @@ def test_demo_reading_is_computed_from_its_runs():
     assert one[2].startswith("pg ends below the baseline: yes (margin +0.500")
 
 
+@pytest.mark.slow  # make test-slow
 def test_demo_check_over_warm_starts_resumes_and_reads(tmp_path, capsys):
     """The demo's check: methods × warm starts × seeds; a second call trains nothing new."""
     from driftless.cli import main
