@@ -334,3 +334,15 @@ def test_compare_puts_two_sweeps_verdicts_side_by_side_and_says_where_they_diffe
     assert (tmp_path / "side.md").read_text() == text == capsys.readouterr().out
     with pytest.raises(ValueError, match="2 labels for 1 sweeps|at least two"):
         compare_sweeps([a], labels=["SGD", "AdamW"])
+
+
+def test_the_paired_table_pairs_the_auc_too_so_a_dip_that_recovers_shows(tmp_path):
+    from driftless.experiments.sweep_report import _interval_cell, paired_interval
+
+    sweep = fake_sweep(tmp_path / "s", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1]})
+    report = write_sweep_report(sweep).read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| pg | ") and "separates" not in line
+               and line.count("|") == 8)
+    # held-out curves 0.3, 0.3, (0.3 + final) / 2, final: AUC 0.375 for the reference, 0.1875 / 0.1875 / 0.225 for pg
+    assert row.endswith(f"| {_interval_cell(paired_interval([-0.1875, -0.1875, -0.15]), 3)} | below |")
+    assert "| Δ AUC vs `reference` | separates |" in report

@@ -286,10 +286,11 @@ def pg_partner(group_values: dict[str, tuple], by: list[str], label: str) -> str
                  and all(x == y for i, (x, y) in enumerate(zip(v, mine)) if i != method)), None)
 
 
-def paired_deltas(runs: list[dict], others: list[dict]) -> list[float]:
-    """Final held-out reward of each run minus that of the run in ``others`` with the same seeds and initial model."""
+def paired_deltas(runs: list[dict], others: list[dict], key: str = "final") -> list[float]:
+    """Final held-out reward (or ``key``: ``auc``) of each run minus that of the run in ``others`` with the same
+    seeds and initial model."""
     by_seeds = {r["seeds"]: r for r in others}
-    return [r["final"] - by_seeds[r["seeds"]]["final"] for r in runs
+    return [r[key] - by_seeds[r["seeds"]][key] for r in runs
             if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r)]
 
 
@@ -305,15 +306,19 @@ def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple],
         vs_ref = paired.get(label, [])
         partner = pg_partner(group_values, by, label)
         vs_pg = paired_deltas(rs, groups[partner]) if partner is not None else []
-        ref_i, pg_i = paired_interval(vs_ref), paired_interval(vs_pg)
+        auc = paired_deltas(rs, groups[ref], "auc")
+        ref_i, pg_i, auc_i = paired_interval(vs_ref), paired_interval(vs_pg), paired_interval(auc)
         rows.append(f"| {label} | {_interval_cell(ref_i, len(vs_ref))} | {separation(ref_i)} | "
-                    + (f"{_interval_cell(pg_i, len(vs_pg))} | {separation(pg_i)} |" if partner else "— | — |"))
+                    + (f"{_interval_cell(pg_i, len(vs_pg))} | {separation(pg_i)} | " if partner else "— | — | ")
+                    + f"{_interval_cell(auc_i, len(auc))} | {separation(auc_i) if auc else '—'} |")
     if not rows:
         return []
     return ["", (f"Paired differences of final held-out reward, per seed: mean [{LEVEL:.0%} Student-t interval over "
-                 f"the seeds] (pairs). *Separates*: the interval excludes zero (above / below); *no*: it holds zero."),
-            "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates |", "|---|---|---|---|---|",
-            *rows]
+                 f"the seeds] (pairs). *Separates*: the interval excludes zero (above / below); *no*: it holds zero. "
+                 f"The last two columns pair the AUC (the mean of the run's held-out evaluations): a run that dips and "
+                 f"recovers before its last evaluation shows there, not in its final reward."),
+            "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates | Δ AUC vs `{ref}` | separates |",
+            "|---|---|---|---|---|---|---|", *rows]
 
 
 def compare_sweeps(sweeps: list, labels: list[str] | None = None, by: list[str] | None = None) -> str:
