@@ -264,6 +264,7 @@ def test_a_moe_run_trains_and_logs_its_routing(tmp_path, routing):
     (["model.kind=hf", "model.n_experts=4"], "model.n_experts=4 builds TinyLM's mixture"),
     (["model.n_experts=4", "model.experts_per_token=5"], "experts_per_token=5 must be at most"),
     (["model.n_experts=4", "model.execution=aligned", "train.reproducible=true"], "model.n_experts=4: the mixture"),
+    (["model.n_experts=0", "mismatch.view=router-noise:0.3"], "perturbs a mixture of experts' routers"),
 ])
 def test_moe_settings_that_cannot_be_honoured_are_refused_by_name(overrides, match):
     from driftless.train import load_config
@@ -406,3 +407,29 @@ def test_aligned_moe_sampler_and_trainer_route_alike_across_processes_and_kernel
                             envs=kernel_pairs()[0], workdir=tmp_path)
     assert r["tokens"] > 20 and r["token_layers"] == 2 * r["tokens"]
     assert r["bitwise_equal_fraction"] == 1.0 and r["routes_equal_fraction"] == 1.0
+
+
+def test_router_noise_moves_only_the_routers_and_flips_routes_that_replay_then_removes():
+    from driftless.mismatch.views import parse_view as view_of
+
+    model = moe("fast")
+    noisy = TinyLM(model.config, execution=model.execution)
+    noisy.load_state_dict(model.state_dict())
+    view = view_of("router-noise:0.5@3")
+    assert view.describe() == "router-noise(0.5)"
+    view.apply(noisy)
+    moved = {n for n, p in noisy.named_parameters() if not torch.equal(p, dict(model.named_parameters())[n])}
+    assert moved == {n for n, _ in model.named_parameters() if n.endswith(".router.weight")} and moved
+    batch = sample(model, view="router-noise:0.5@3")
+    recomputed = score_batch(model, batch)
+    got = routing_diagnostics(batch.sampler_routes, recomputed.routes, recomputed.logp, batch.sampler_logp,
+                              batch.action_mask)
+    assert got["routing_set_disagreement"] > 0.05
+    replayed = score_batch(model, batch, routing="replay")
+    on = batch.action_mask
+    kl = lambda v: float((batch.sampler_logp - v.logp)[on].abs().mean())  # mean |log q − log p|
+    assert kl(replayed) < 0.75 * kl(recomputed)  # the experts compute alike: what is left is the gate weights
+    with pytest.raises(ValueError, match="has no MoE router"):
+        view_of("router-noise:0.1").apply(TinyLM(TinyLMConfig(**CONFIG)))
+    with pytest.raises(ValueError, match="noise view needs a number"):
+        view_of("router-noise:x")

@@ -15,6 +15,7 @@ copied in. Views compose with ``+`` in a spec string (``parse_view``):
 | ``dtype:bf16`` / ``dtype:fp16`` | lower-precision execution: weights and linear inputs rounded to bf16 / fp16 (fp32 accumulation) |
 | ``native`` | with ``w…``/``a…``: integer / minifloat codes with exact accumulation (emulated native GEMMs) |
 | ``noise:SCALE[@SEED]`` | fixed relative weight noise δ = SCALE · N(0,1) · w, z drawn once per run |
+| ``router-noise:SCALE[@SEED]`` | the same noise on the MoE routers' weights only: the sampler picks other experts, every expert computes as the trainer's |
 
 Quantized execution needs a policy with a ``numerics`` hook (TinyLM); for other policies
 weight-only formats and noise act on the state dict.
@@ -73,12 +74,18 @@ class QuantView:
         return "quant(" + ", ".join(parts) + ")"
 
 
+ROUTER_WEIGHTS = (".router.weight", "mlp.gate.weight")  # TinyLM's routers; transformers' MoE routers (mlp.gate)
+
+
 @dataclass
 class WeightNoise:
-    """δ = scale · z · w with z ~ N(0, 1) drawn once per run (per parameter), added at every sync."""
+    """δ = scale · z · w with z ~ N(0, 1) drawn once per run (per parameter), added at every sync; with
+    ``routers_only``, on the MoE routers' weights alone (parameters named ``*.router.weight`` or
+    ``*mlp.gate.weight``): the one source of disagreement that routing replay removes."""
 
     scale: float
     seed: int = 0
+    routers_only: bool = False
     _z: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -86,15 +93,19 @@ class WeightNoise:
             raise ValueError(f"noise scale must be >= 0, got {self.scale}")
 
     def apply(self, policy) -> None:
+        params = [(n, p) for n, p in policy.named_parameters() if not self.routers_only or n.endswith(ROUTER_WEIGHTS)]
+        if not params:
+            raise ValueError(f"mismatch.view router-noise:{self.scale}: {type(policy).__name__} has no MoE router "
+                             f"(no parameter named *{' or *'.join(ROUTER_WEIGHTS)}); use noise:SCALE on a dense model")
         with torch.no_grad():
-            for name, p in policy.named_parameters():
+            for name, p in params:
                 if name not in self._z:
                     g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self._z))
                     self._z[name] = torch.randn(p.shape, generator=g)
                 p.add_(self.scale * self._z[name].to(p.dtype) * p)
 
     def describe(self) -> str:
-        return f"noise({self.scale})"
+        return f"{'router-' if self.routers_only else ''}noise({self.scale})"
 
 
 @dataclass
@@ -142,16 +153,17 @@ def parse_view(spec: str | None) -> Compose:
             quant = quant.merge(QuantView(QuantSpec(dtype), QuantSpec(dtype)))
         elif part == "native":
             quant = quant.merge(QuantView(native=True))
-        elif part.startswith("noise:"):
-            m = re.fullmatch(r"noise:([^@]+)(?:@(\d+))?", part)
+        elif part.startswith(("noise:", "router-noise:")):
+            m = re.fullmatch(r"(router-)?noise:([^@]+)(?:@(\d+))?", part)
             try:
-                scale = float(m.group(1))
+                scale = float(m.group(2))
             except (AttributeError, ValueError):
                 raise ValueError(f"noise view needs a number: {part!r}") from None
-            others.append(WeightNoise(scale, int(m.group(2) or 0)))
+            others.append(WeightNoise(scale, int(m.group(3) or 0), routers_only=m.group(1) is not None))
         else:
             raise ValueError(
-                f"unknown mismatch view {part!r}; use w8a8, w8a8-fp8, w:FMT, a:FMT, kv:FMT, dtype:bf16|fp16, noise:S"
+                f"unknown mismatch view {part!r}; use w8a8, w8a8-fp8, w:FMT, a:FMT, kv:FMT, dtype:bf16|fp16, noise:S, "
+                "router-noise:S"
             )
     if quant.native:
         Numerics(weight=quant.weight, act=quant.act, native=True)  # validates: native needs both formats

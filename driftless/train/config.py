@@ -400,6 +400,9 @@ def runtime_refusal(config: RunConfig) -> str | None:
     if t.routing == "replay" and config.model.kind == "tiny" and not config.model.n_experts:
         return ("train.routing=replay replays a mixture of experts' recorded expert ids: it needs model.n_experts "
                 f"> 0 (got {config.model.n_experts}, a dense model)")
+    if "router-noise:" in config.mismatch.view and config.model.kind == "tiny" and not config.model.n_experts:
+        return (f"mismatch.view={config.mismatch.view} perturbs a mixture of experts' routers: it needs "
+                f"model.n_experts > 0 (got {config.model.n_experts}, a dense model); use noise:SCALE")
     if r.engine == "vllm":
         if rt not in ("sync", "thread"):
             return (f"rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), "
