@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _seed_table(args) -> int:
@@ -84,13 +85,17 @@ def main(argv: list[str] | None = None) -> int:
                                     "a transformers directory (default: a peaked random tiny Qwen3)")
     mt.add_argument("--kinds", nargs="+", help="view specs (default: the docs/mismatch.md list)")
     mt.add_argument("--prompts", type=int, default=32)
-    mt.add_argument("--max-new-tokens", type=int, default=24)
+    mt.add_argument("--max-new-tokens", type=int, default=None, help="default 24 (with --config: its rollout.max_new_tokens)")
     mt.add_argument("--seed", type=int, default=0)
     mt.add_argument("--experts", type=int, default=0,
                     help="a mixture-of-experts TinyLM with this many experts (top-2): adds the routing columns "
                          "(expert sets flipped, tokens touched, KL with routing replay; docs/moe.md)")
     mt.add_argument("--engine", choices=("driftless", "vllm"), default="driftless",
                     help="the sampler: the built-in one (TinyLM) or a vLLM engine (tiny Qwen3; docs/vllm.md)")
+    mt.add_argument("--config", help="a run config: measure on its task's training prompts, tokenizer, end ids, "
+                                     "sampling and length, from its starting weights (--model: other weights of "
+                                     "the same model), as its step 0 sees them; without it, random prompts")
+    mt.add_argument("overrides", nargs="*", help="with --config: a.b=c overrides")
     mt.add_argument("--json", action="store_true")
     mt.set_defaults(func=_mismatch_table)
 
@@ -124,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("experiment", help="YAML with base, set, variants and grid (docs/diagnostics.md)")
     sw.add_argument("--run-dir", required=True, help="each trial goes to RUN_DIR/<its grid values>/")
     sw.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: the cluster's CPUs)")
+    sw.add_argument("--reuse", nargs="+", default=(), metavar="DIR",
+                    help="folders searched for finished runs of the very same computation (config.yaml equal but "
+                         "for where it is written): a trial that has one takes its record instead of training")
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(func=_sweep)
 
@@ -239,7 +247,6 @@ def _one_line(err: BaseException) -> str:
 
 
 def _pack(args) -> int:
-    from pathlib import Path
 
     from driftless.train.sinks import has_record, pack_run
 
@@ -295,10 +302,26 @@ def _check_alignment(args) -> int:
 
 
 def _mismatch_table(args) -> int:
-    from driftless.experiments.mismatch_table import format_table, run_table
+    from driftless.experiments.mismatch_table import format_table, run_config_table, run_table
 
+    if args.config is None and args.overrides:
+        raise ValueError(f"mismatch-table: overrides {' '.join(args.overrides)} need --config")
+    if args.config is not None:
+        if args.max_new_tokens is not None:
+            raise ValueError(f"mismatch-table --config takes the length from the config: use the override "
+                             f"rollout.max_new_tokens={args.max_new_tokens} instead of --max-new-tokens")
+        if args.engine != "driftless" or args.experts:
+            raise ValueError("mismatch-table --config measures the config's own model with the built-in sampler: "
+                             "drop --engine vllm / --experts (set model.n_experts in the config instead)")
+        from driftless.train import load_config
+
+        result = run_config_table(load_config(args.config, args.overrides), model_path=args.model,
+                                  kinds=tuple(args.kinds) if args.kinds else None, num_prompts=args.prompts,
+                                  seed=args.seed)
+        print(json.dumps(result) if args.json else format_table(result))
+        return 0
     result = run_table(model_path=args.model, kinds=tuple(args.kinds) if args.kinds else None,
-                       num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       num_prompts=args.prompts, max_new_tokens=args.max_new_tokens or 24, seed=args.seed,
                        engine=args.engine, n_experts=args.experts)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
@@ -324,7 +347,6 @@ def _eval(args) -> int:
 
 
 def _replay(args) -> int:
-    from pathlib import Path
 
     from driftless.train.checkpoint import latest_checkpoint, load_checkpoint
     from driftless.train.loop import TIMING_KEYS
@@ -365,8 +387,13 @@ def _sweep(args) -> int:
     from driftless.experiments.sweep import run_sweep
     from driftless.experiments.sweep_report import write_sweep_report
 
+    missing = [d for d in args.reuse if not Path(d).is_dir()]
+    if missing:
+        raise ValueError(f"sweep --reuse: {missing[0]} is not a directory")
     result = run_sweep(args.experiment, args.run_dir, max_concurrent=args.max_concurrent,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, reuse=[Path(d) for d in args.reuse])
+    if result.get("reused") and args.no_progress:  # with progress, run_experiment says so itself
+        print(f"{result['reused']} trial(s) took the record of a finished run under {' '.join(args.reuse)}")
     report = write_sweep_report(args.run_dir)
     print(report.read_text())
     for name, error in result["failed"].items():
@@ -382,7 +409,6 @@ def _report(args) -> int:
 
 
 def _compare(args) -> int:
-    from pathlib import Path
 
     from driftless.experiments.sweep_report import compare_sweeps
 
@@ -451,7 +477,6 @@ def _make_model(args) -> int:
 
 
 def _export_task(args) -> int:
-    from pathlib import Path
 
     from driftless.tasks import make_task
     from driftless.tasks.export import task_rows, write_jsonl

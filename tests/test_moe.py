@@ -335,6 +335,28 @@ def test_the_mismatch_table_reports_route_flips_and_the_kl_replay_leaves():
         run_table(model_path="model.safetensors", n_experts=8)
 
 
+def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_ids(capsys):
+    """--config: the task's prompts through its tokenizer, its end ids and length, its starting weights."""
+    from driftless.cli import main
+    from driftless.experiments.mismatch_table import run_config_table
+    from driftless.train import load_config
+
+    overrides = ["model.warm_start=false", "model.n_experts=4", "model.d_ff=64", "rollout.max_new_tokens=6"]
+    config = load_config("configs/study.yaml", overrides)
+    result = run_config_table(config, kinds=("none", "router-noise:1.0"), num_prompts=6)
+    none, noisy = result["kinds"]["none"], result["kinds"]["router-noise:1.0"]
+    assert result["prompts"] == "6 countdown training prompts (seed 0)"
+    assert 0 < none["tokens"] <= 6 * 6 and none["kl_k3"] < 1e-9 and none["routing_set_disagreement"] == 0.0
+    assert noisy["routing_set_disagreement"] > 0 and noisy["kl_k3_replay"] < noisy["kl_k3"]
+    assert main(["mismatch-table", "--config", "configs/study.yaml", *overrides, "--kinds", "none",
+                 "--prompts", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kinds"]["none"]["tokens"] <= 12
+    assert main(["mismatch-table", "--config", "configs/study.yaml", "--max-new-tokens", "8"]) == 2
+    assert "use the override rollout.max_new_tokens=8 instead" in capsys.readouterr().err
+    assert main(["mismatch-table", "model.n_experts=4"]) == 2
+    assert "overrides model.n_experts=4 need --config" in capsys.readouterr().err
+
+
 def test_a_copied_transformers_moe_policy_routes_through_its_own_hooks(tmp_path):
     """The Eq. 1 scorer and the clean evaluator are deep copies: their routers' hooks must read the copy."""
     import copy

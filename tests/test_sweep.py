@@ -122,6 +122,28 @@ def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):
     assert "- objective.name=sc: no metrics.jsonl" in captured.out  # the report says which is missing
 
 
+@pytest.mark.slow  # make test-slow: two sweeps (~50 s)
+def test_a_sweep_reuses_the_finished_runs_of_another_folder_with_the_same_computation(tmp_path, capsys):
+    first = experiment(tmp_path, {"train.seed": [0]}, reference={"mismatch.view": "none"}, variants={"noisy": {"mismatch.view": "noise:0.05"}})
+    a = tmp_path / "a"
+    assert main(["sweep", str(first), "--run-dir", str(a), "--no-progress"]) == 0
+    second = tmp_path / "second.yaml"
+    second.write_text(yaml.safe_dump({"set": SMALL, "grid": {"train.seed": [0]}, "reference": {"mismatch.view": "none"},
+                                      "variants": {"pg": {"objective.name": "pg"}, "sc": {"objective.name": "sc"}}}))
+    b = tmp_path / "b"
+    capsys.readouterr()
+    assert main(["sweep", str(second), "--run-dir", str(b), "--reuse", str(a), "--no-progress"]) == 0
+    # pg without a mismatch is the reference's computation: both of b's trials take a's reference
+    assert f"2 trial(s) took the record of a finished run under {a}" in capsys.readouterr().out
+    ref_a = a / "reference,train.seed=0"
+    for twin in (b / "reference,train.seed=0", b / "pg,train.seed=0"):
+        assert read_metrics(twin) == read_metrics(ref_a)  # wall times too: copied, not trained again
+        assert not (twin / "checkpoints").exists()
+    assert (b / "sc,train.seed=0" / "checkpoints").exists()  # trained here
+    assert main(["sweep", str(second), "--run-dir", str(b), "--reuse", str(tmp_path / "nowhere")]) == 2
+    assert f"sweep --reuse: {tmp_path / 'nowhere'} is not a directory" in capsys.readouterr().err
+
+
 def final(run_dir):
     return [x for x in lines(run_dir) if "eval_reward" in x][-1]["eval_reward"]
 

@@ -7,9 +7,17 @@ max |Δ log p| and the top-k head mass (Σ_H q of the sampler's head, Σ_H p of 
 ``engine="vllm"``: the sampler is a vLLM engine (driftless.rollout.vllm) over a tiny Qwen3 and
 the trainer its transformers copy; kinds are weight-only views and noise, plus the engine's own
 KV-cache formats (``vllm-kv:fp8_e4m3``, ``vllm-kv:fp8_e5m2``: vLLM's ``kv_cache_dtype``).
+
+Without a run config the prompts are random token ids and generation runs to ``max_new_tokens`` with no end
+token: a measure of the views on arbitrary text, far off any task (on the study's MoE warm start, noise 0.15
+gives KL 2.8e-1 there and 2.1e-3 on its own Countdown prompts). ``run_config_table`` measures what a run's
+step 0 sees instead: the config's task prompts through its tokenizer, its end ids, sampling and length, and
+its starting weights.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -47,7 +55,7 @@ def _vllm_unavailable(spec: str) -> str | None:
 
 
 def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=32, seed=0,
-                 make_sampler=_builtin_sampler, unavailable=lambda spec: None) -> dict:
+                 make_sampler=_builtin_sampler, unavailable=lambda spec: None, sampling=None) -> dict:
     """The row of one mismatch kind; ``{"unavailable": reason}`` where this machine cannot run it."""
     reason = unavailable(spec)
     if reason is not None:
@@ -55,7 +63,7 @@ def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=3
     trainer = make_policy()
     sampler = make_sampler(make_policy(), spec, head_k)
     sampler.load(Snapshot.of(trainer, 0))
-    batch = sampler.generate(prompts, SamplingParams(), max_new_tokens, seed=seed)
+    batch = sampler.generate(prompts, sampling or SamplingParams(), max_new_tokens, seed=seed)
     if hasattr(sampler, "close"):
         sampler.close()
     with torch.no_grad():
@@ -113,6 +121,38 @@ def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24,
     moe = f", {n_experts} experts top-{config.experts_per_token}" if n_experts else ""
     return {"model": str(model_path or f"random TinyLM (init_std 0.1{moe}, seed {seed})"), "head_k": head_k,
             "kinds": {k: measure_view(make, k, prompts, max_new_tokens=max_new_tokens, head_k=head_k, seed=seed)
+                      for k in kinds}}
+
+
+def run_config_table(config, *, kinds=None, num_prompts=32, seed=0, model_path=None) -> dict:
+    """The table on a run's own setting (``driftless mismatch-table --config``): ``num_prompts`` training prompts of
+    the config's task (drawn with ``seed``) through its tokenizer and chat template, generated with its sampling
+    settings, end ids and ``rollout.max_new_tokens`` by a sampler holding its starting weights (the warm start, a
+    checkpoint's, or ``model_path``: a safetensors file of the same model); the trainer is the same weights."""
+    from driftless.train import build
+
+    if config.rollout.engine != "driftless":
+        raise ValueError(f"mismatch-table --config: rollout.engine={config.rollout.engine!r}; the table runs the "
+                         "built-in sampler (use --engine vllm without --config for the vLLM table)")
+    tok = build.tokenizer(config)
+    text = build.codec(config, tok)
+    state = model_path if model_path is not None else build.initial_state(config, tok, progress=False)[0]
+    problems = build.task(config).sample(num_prompts, random.Random(seed), "train")
+    prompts = [text.encode(p.prompt) for p in problems]
+    eos = getattr(text, "eos_ids", text.eos_id)
+
+    def make():
+        return build.policy(config, state, tok)
+
+    def sampler(policy, spec, head_k):
+        return Sampler(policy, head_k=head_k, eos_id=eos, pad_id=text.pad_id, view=parse_view(spec))
+
+    head_k = config.rollout.head_k or 32
+    kinds = kinds or DEFAULT_KINDS
+    return {"model": str(model_path or config.model.hf_path or "the config's starting weights"),
+            "prompts": f"{num_prompts} {config.task.name} training prompts (seed {seed})", "head_k": head_k,
+            "kinds": {k: measure_view(make, k, prompts, max_new_tokens=config.rollout.max_new_tokens, head_k=head_k,
+                                      seed=seed, make_sampler=sampler, sampling=build.sampling(config))
                       for k in kinds}}
 
 

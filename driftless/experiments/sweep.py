@@ -254,10 +254,12 @@ def prepare_warm_starts(configs: list[RunConfig], progress: bool) -> None:
             build.initial_state(cfg, progress=progress)
 
 
-def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, progress: bool = True) -> dict:
-    """Run (or continue) every trial of an experiment file on Ray Tune; ``{"trials", "failed", "run_dir"}``."""
+def run_sweep(experiment_path, run_dir, *, max_concurrent: int | None = None, progress: bool = True,
+              reuse: list[Path] = ()) -> dict:
+    """Run (or continue) every trial of an experiment file on Ray Tune; ``{"trials", "failed", "run_dir",
+    "reused"}``; ``reuse``: folders whose finished runs of the same computation stand in for trials."""
     return run_experiment(load_experiment(experiment_path), run_dir, max_concurrent=max_concurrent,
-                          progress=progress)
+                          progress=progress, reuse=list(reuse))
 
 
 # what a finished run needs for its reports (and what results/ commits): never checkpoints; metrics.jsonl
@@ -275,25 +277,30 @@ def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[P
 
     A run with the same computation on this machine is the same run, bit for bit (one thread per trial);
     a record from another machine is that machine's run (fast execution, docs/alignment.md)."""
-    wanted = {_key(_computation(cfg)): Path(p) for p, cfg in targets.items() if not (Path(p) / "done.json").exists()}
+    wanted: dict[str, list[Path]] = {}  # two trials of one experiment may be the same computation: both take it
+    for p, cfg in targets.items():
+        if not (Path(p) / "done.json").exists():
+            wanted.setdefault(_key(_computation(cfg)), []).append(Path(p))
     copied = {}
     for root in search:
         for done in sorted(Path(root).glob("**/done.json")) if Path(root).is_dir() else []:
             source = done.parent
-            target = wanted.get(_key(_saved_computation(source / "config.yaml")))
-            if target is None or target.resolve() == source.resolve():
+            key = _key(_saved_computation(source / "config.yaml"))
+            if key not in wanted:
                 continue
             if not all((source / f).exists() for f in RUN_RECORD if f != METRICS_FILE) or not has_record(source):
                 continue
-            target.mkdir(parents=True, exist_ok=True)
-            for f in RUN_RECORD[:-1]:
-                if f in PACKABLE:
-                    shutil.copy2(record_path(source, f), target / record_path(source, f).name)
-                else:
-                    shutil.copy2(source / f, target / f)
-            shutil.copy2(source / "done.json", target / "done.json")  # last: the copy is whole before it counts
-            copied[target] = source
-            wanted = {k: v for k, v in wanted.items() if v != target}
+            for target in wanted.pop(key):
+                if target.resolve() == source.resolve():
+                    continue
+                target.mkdir(parents=True, exist_ok=True)
+                for f in RUN_RECORD[:-1]:
+                    if f in PACKABLE:
+                        shutil.copy2(record_path(source, f), target / record_path(source, f).name)
+                    else:
+                        shutil.copy2(source / f, target / f)
+                shutil.copy2(source / "done.json", target / "done.json")  # last: the copy is whole before it counts
+                copied[target] = source
     return copied
 
 
