@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     mt = sub.add_parser("mismatch-table", help="KL, max |Δ log p| and head mass per sampler mismatch view")
     mt.add_argument("--model", help="a TinyLM safetensors file (default: a peaked random TinyLM); with --engine vllm, "
-                                    "a transformers directory (default: a peaked random tiny Qwen3)")
+                                    "a transformers directory (default: a peaked random tiny Qwen3); with --config, "
+                                    "other weights of its model (model.kind=hf: a transformers directory)")
     mt.add_argument("--kinds", nargs="+", help="view specs (default: the docs/mismatch.md list)")
     mt.add_argument("--prompts", type=int, default=32)
     mt.add_argument("--max-new-tokens", type=int, default=None, help="default 24 (with --config: its rollout.max_new_tokens)")
@@ -304,6 +305,10 @@ def _check_alignment(args) -> int:
 def _mismatch_table(args) -> int:
     from driftless.experiments.mismatch_table import format_table, run_config_table, run_table
 
+    looks_like_override = [k for k in args.kinds or () if "=" in k]
+    if looks_like_override:
+        raise ValueError(f"mismatch-table: {looks_like_override[0]} is an override, not a view: put a.b=c "
+                         "overrides right after --config CONFIG, before --kinds")
     if args.config is None and args.overrides:
         raise ValueError(f"mismatch-table: overrides {' '.join(args.overrides)} need --config")
     if args.config is not None:
@@ -321,7 +326,7 @@ def _mismatch_table(args) -> int:
         print(json.dumps(result) if args.json else format_table(result))
         return 0
     result = run_table(model_path=args.model, kinds=tuple(args.kinds) if args.kinds else None,
-                       num_prompts=args.prompts, max_new_tokens=args.max_new_tokens or 24, seed=args.seed,
+                       num_prompts=args.prompts, max_new_tokens=24 if args.max_new_tokens is None else args.max_new_tokens, seed=args.seed,
                        engine=args.engine, n_experts=args.experts)
     print(json.dumps(result) if args.json else format_table(result))
     return 0

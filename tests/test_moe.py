@@ -335,15 +335,31 @@ def test_the_mismatch_table_reports_route_flips_and_the_kl_replay_leaves():
         run_table(model_path="model.safetensors", n_experts=8)
 
 
-def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_ids(capsys):
+def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_ids(capsys, monkeypatch, tmp_path):
     """--config: the task's prompts through its tokenizer, its end ids and length, its starting weights."""
-    from driftless.cli import main
-    from driftless.experiments.mismatch_table import run_config_table
-    from driftless.train import load_config
+    import random
 
-    overrides = ["model.warm_start=false", "model.n_experts=4", "model.d_ff=64", "rollout.max_new_tokens=6"]
+    from driftless.cli import main
+    from driftless.experiments import mismatch_table
+    from driftless.train import build, load_config
+
+    seen = []
+
+    class Recording(Sampler):
+        def generate(self, prompts, params, max_new_tokens, **kw):
+            seen.append((prompts, self.eos_id, max_new_tokens, params.temperature))
+            return super().generate(prompts, params, max_new_tokens, **kw)
+
+    monkeypatch.setattr(mismatch_table, "Sampler", Recording)
+    overrides = ["model.warm_start=false", "model.n_experts=4", "model.d_ff=64", "rollout.max_new_tokens=6",
+                 "rollout.temperature=0.9"]
     config = load_config("configs/study.yaml", overrides)
-    result = run_config_table(config, kinds=("none", "router-noise:1.0"), num_prompts=6)
+    result = mismatch_table.run_config_table(config, kinds=("none", "router-noise:1.0"), num_prompts=6)
+    text = build.codec(config)
+    task_prompts = [text.encode(p.prompt) for p in build.task(config).sample(6, random.Random(0), "train")]
+    assert [s[0] for s in seen] == [task_prompts, task_prompts]  # the run's own prompts, both views
+    ends = tuple(getattr(text, "eos_ids", (text.eos_id,)))
+    assert {(tuple(e) if isinstance(e, (tuple, list)) else (e,), n, t) for _, e, n, t in seen} == {(ends, 6, 0.9)}
     none, noisy = result["kinds"]["none"], result["kinds"]["router-noise:1.0"]
     assert result["prompts"] == "6 countdown training prompts (seed 0)"
     assert 0 < none["tokens"] <= 6 * 6 and none["kl_k3"] < 1e-9 and none["routing_set_disagreement"] == 0.0
@@ -351,10 +367,21 @@ def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_id
     assert main(["mismatch-table", "--config", "configs/study.yaml", *overrides, "--kinds", "none",
                  "--prompts", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kinds"]["none"]["tokens"] <= 12
-    assert main(["mismatch-table", "--config", "configs/study.yaml", "--max-new-tokens", "8"]) == 2
-    assert "use the override rollout.max_new_tokens=8 instead" in capsys.readouterr().err
-    assert main(["mismatch-table", "model.n_experts=4"]) == 2
-    assert "overrides model.n_experts=4 need --config" in capsys.readouterr().err
+    for args, message in (
+            (["--config", "configs/study.yaml", "--max-new-tokens", "8"],
+             "use the override rollout.max_new_tokens=8 instead"),
+            (["model.n_experts=4"], "overrides model.n_experts=4 need --config"),
+            (["--config", "configs/study.yaml", "--kinds", "none", "model.d_ff=64"],
+             "model.d_ff=64 is an override, not a view: put a.b=c overrides right after --config"),
+            (["--config", "configs/study.yaml", "--engine", "vllm"], "drop --engine vllm / --experts"),
+            (["--config", "configs/study.yaml", *overrides, "--model", str(tmp_path / "none.safetensors")],
+             f"--model {tmp_path / 'none.safetensors'}: not weights of the config's model"),
+            (["--config", "configs/study.yaml", "model.kind=hf", "--model", str(tmp_path / "x.safetensors")],
+             "with model.kind=hf, give a transformers checkpoint directory"),
+            (["--config", "configs/study.yaml", "mismatch.trainer_numerics=fwd-fq", "mismatch.view=w8a8"],
+             "the table's trainer scores in float32 with plain numerics")):
+        assert main(["mismatch-table", *args]) == 2, args
+        assert message in capsys.readouterr().err, args
 
 
 def test_a_copied_transformers_moe_policy_routes_through_its_own_hooks(tmp_path):

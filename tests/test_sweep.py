@@ -122,6 +122,31 @@ def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):
     assert "- objective.name=sc: no metrics.jsonl" in captured.out  # the report says which is missing
 
 
+def test_reuse_gives_every_twin_the_record_and_drops_a_killed_trials_partial_lines(tmp_path):
+    from driftless.experiments.sweep import reuse_finished
+    from driftless.train.config import dump_config, load_config
+
+    def config(seed):
+        return load_config(None, [f"{k}={v}" for k, v in {**SMALL, "train.seed": seed}.items()])
+
+    source = tmp_path / "old" / "run"
+    source.mkdir(parents=True)
+    (source / "config.yaml").write_text(dump_config(config(0)))
+    (source / "metrics.jsonl").write_text('{"step": 0, "reward": 0.5}\n{"step": 1, "reward": 0.75}\n')
+    (source / "initial_eval.json").write_text("{}")
+    (source / "done.json").write_text("{}")
+    killed, twin, other = (tmp_path / "new" / n for n in ("killed", "twin", "other"))
+    (killed / "checkpoints" / "step_000001").mkdir(parents=True)
+    (killed / "metrics.jsonl").write_text('{"step": 0, "reward": 0.1}\n')
+    copied = reuse_finished({killed: config(0), twin: config(0), other: config(1)}, [tmp_path / "old"])
+    assert copied == {killed: source, twin: source}  # both trials of that computation; not the other seed
+    for target in (killed, twin):
+        assert read_metrics(target) == [{"step": 0, "reward": 0.5}, {"step": 1, "reward": 0.75}]
+        assert (target / "done.json").exists() and not (target / "checkpoints").exists()
+    assert not other.exists()
+    assert reuse_finished({other: config(1)}, [tmp_path / "old"]) == {}
+
+
 @pytest.mark.slow  # make test-slow: two sweeps (~50 s)
 def test_a_sweep_reuses_the_finished_runs_of_another_folder_with_the_same_computation(tmp_path, capsys):
     first = experiment(tmp_path, {"train.seed": [0]}, reference={"mismatch.view": "none"}, variants={"noisy": {"mismatch.view": "noise:0.05"}})

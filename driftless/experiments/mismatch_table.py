@@ -10,7 +10,7 @@ KV-cache formats (``vllm-kv:fp8_e4m3``, ``vllm-kv:fp8_e5m2``: vLLM's ``kv_cache_
 
 Without a run config the prompts are random token ids and generation runs to ``max_new_tokens`` with no end
 token: a measure of the views on arbitrary text, far off any task (on the study's MoE warm start, noise 0.15
-gives KL 2.8e-1 there and 2.1e-3 on its own Countdown prompts). ``run_config_table`` measures what a run's
+gives KL 2.8e-1 there and about 1e-3 on its own Countdown prompts, docs/moe.md). ``run_config_table`` measures what a run's
 step 0 sees instead: the config's task prompts through its tokenizer, its end ids, sampling and length, and
 its starting weights.
 """
@@ -55,7 +55,7 @@ def _vllm_unavailable(spec: str) -> str | None:
 
 
 def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=32, seed=0,
-                 make_sampler=_builtin_sampler, unavailable=lambda spec: None, sampling=None) -> dict:
+                 make_sampler=_builtin_sampler, unavailable=lambda spec: None, sampling=None, shorten=None) -> dict:
     """The row of one mismatch kind; ``{"unavailable": reason}`` where this machine cannot run it."""
     reason = unavailable(spec)
     if reason is not None:
@@ -64,6 +64,8 @@ def measure_view(make_policy, spec: str, prompts, *, max_new_tokens=24, head_k=3
     sampler = make_sampler(make_policy(), spec, head_k)
     sampler.load(Snapshot.of(trainer, 0))
     batch = sampler.generate(prompts, sampling or SamplingParams(), max_new_tokens, seed=seed)
+    if shorten is not None:  # a run's stop strings end its responses where its worker ends them
+        batch = shorten(batch)
     if hasattr(sampler, "close"):
         sampler.close()
     with torch.no_grad():
@@ -127,19 +129,41 @@ def run_table(*, model_path=None, kinds=None, num_prompts=32, max_new_tokens=24,
 def run_config_table(config, *, kinds=None, num_prompts=32, seed=0, model_path=None) -> dict:
     """The table on a run's own setting (``driftless mismatch-table --config``): ``num_prompts`` training prompts of
     the config's task (drawn with ``seed``) through its tokenizer and chat template, generated with its sampling
-    settings, end ids and ``rollout.max_new_tokens`` by a sampler holding its starting weights (the warm start, a
-    checkpoint's, or ``model_path``: a safetensors file of the same model); the trainer is the same weights."""
+    settings, end ids, stop strings and ``rollout.max_new_tokens`` by a sampler holding its starting weights (the
+    warm start or the checkpoint's; ``model_path``: other weights of the same model, a TinyLM safetensors file or,
+    for ``model.kind=hf``, a transformers directory); the trainer is the same weights in float32. The head-mass
+    columns use ``rollout.head_k`` (32 where the config records no head)."""
+    import copy
+    from pathlib import Path
+
+    from driftless.rollout.text import stop_lengths
     from driftless.train import build
 
+    config = build.check(copy.deepcopy(config))
     if config.rollout.engine != "driftless":
         raise ValueError(f"mismatch-table --config: rollout.engine={config.rollout.engine!r}; the table runs the "
-                         "built-in sampler (use --engine vllm without --config for the vLLM table)")
+                         "built-in sampler (override rollout.engine=driftless, or use --engine vllm without --config)")
+    if config.mismatch.trainer_numerics != "fp" or config.train.precision != "fp32":
+        raise ValueError(f"mismatch-table --config: mismatch.trainer_numerics={config.mismatch.trainer_numerics!r}, "
+                         f"train.precision={config.train.precision!r}: the table's trainer scores in float32 with "
+                         "plain numerics (override mismatch.trainer_numerics=fp train.precision=fp32)")
+    if model_path is not None and config.model.kind == "hf":
+        if not Path(model_path).is_dir():
+            raise ValueError(f"--model {model_path}: with model.kind=hf, give a transformers checkpoint directory")
+        config.model.hf_path, model_path = str(model_path), None
     tok = build.tokenizer(config)
     text = build.codec(config, tok)
-    state = model_path if model_path is not None else build.initial_state(config, tok, progress=False)[0]
+    state = model_path if model_path is not None else build.initial_state(config, tok, progress=True)[0]
+    if model_path is not None:
+        try:
+            build.policy(config, state, tok)
+        except Exception as e:  # safetensors' own errors, missing / unexpected keys, shapes
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"--model {model_path}: not weights of the config's model ({first})") from e
     problems = build.task(config).sample(num_prompts, random.Random(seed), "train")
     prompts = [text.encode(p.prompt) for p in problems]
     eos = getattr(text, "eos_ids", text.eos_id)
+    stop = tuple(config.rollout.stop)
 
     def make():
         return build.policy(config, state, tok)
@@ -147,12 +171,16 @@ def run_config_table(config, *, kinds=None, num_prompts=32, seed=0, model_path=N
     def sampler(policy, spec, head_k):
         return Sampler(policy, head_k=head_k, eos_id=eos, pad_id=text.pad_id, view=parse_view(spec))
 
+    def shorten(batch):
+        return batch.shorten(stop_lengths(batch, text, stop)) if stop else batch
+
     head_k = config.rollout.head_k or 32
     kinds = kinds or DEFAULT_KINDS
     return {"model": str(model_path or config.model.hf_path or "the config's starting weights"),
             "prompts": f"{num_prompts} {config.task.name} training prompts (seed {seed})", "head_k": head_k,
             "kinds": {k: measure_view(make, k, prompts, max_new_tokens=config.rollout.max_new_tokens, head_k=head_k,
-                                      seed=seed, make_sampler=sampler, sampling=build.sampling(config))
+                                      seed=seed, make_sampler=sampler, sampling=build.sampling(config),
+                                      shorten=shorten)
                       for k in kinds}}
 
 

@@ -37,7 +37,7 @@ import yaml
 
 from driftless.train import build, load_config
 from driftless.train.config import RunConfig, read_yaml
-from driftless.train.sinks import METRICS_FILE, PACKABLE, has_record, pack_run, record_path
+from driftless.train.sinks import METRICS_FILE, PACKABLE, PACKED_SUFFIX, has_record, pack_run, record_path
 
 SEED_KEYS = ("train.seed", "warm_start.seed")
 
@@ -290,10 +290,13 @@ def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[P
                 continue
             if not all((source / f).exists() for f in RUN_RECORD if f != METRICS_FILE) or not has_record(source):
                 continue
-            for target in wanted.pop(key):
-                if target.resolve() == source.resolve():
-                    continue
+            for target in wanted.pop(key):  # never the source itself: a source is finished, a target is not
                 target.mkdir(parents=True, exist_ok=True)
+                for name in PACKABLE:  # a trial killed midway: its partial lines must not outlive the copy
+                    (target / name).unlink(missing_ok=True)
+                    (target / (name + PACKED_SUFFIX)).unlink(missing_ok=True)
+                for bulky in ("checkpoints", "trace"):
+                    shutil.rmtree(target / bulky, ignore_errors=True)
                 for f in RUN_RECORD[:-1]:
                     if f in PACKABLE:
                         shutil.copy2(record_path(source, f), target / record_path(source, f).name)
