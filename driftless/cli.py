@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--by", nargs="+", default=None, help="grid keys to group by (default: all but the seeds)")
     rep.add_argument("--references", nargs="+", default=(), metavar="SWEEP_DIR",
                      help="other sweeps whose reference runs a run may pair with (same seeds, same initial model)")
+    rep.add_argument("--pairs", nargs="+", default=(), metavar="A:B",
+                     help="groups compared seed by seed: A − B of final reward and AUC with intervals, KL A / B")
     rep.set_defaults(func=_report)
 
     cmp = sub.add_parser("compare", help="the same methods of several sweeps side by side: driftless compare A B")
@@ -409,7 +411,13 @@ def _sweep(args) -> int:
 def _report(args) -> int:
     from driftless.experiments.sweep_report import write_sweep_report
 
-    print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references).read_text())
+    pairs = []
+    for pair in args.pairs:
+        a, sep, b = pair.partition(":")
+        if not sep or not a or not b:
+            raise ValueError(f"report --pairs: {pair!r} is not A:B (two group labels, e.g. pg+replay:tis)")
+        pairs.append((a, b))
+    print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references, pairs=pairs).read_text())
     return 0
 
 

@@ -393,3 +393,16 @@ def test_the_paired_table_pairs_the_auc_too_so_a_dip_that_recovers_shows(tmp_pat
     # held-out curves 0.3, 0.3, (0.3 + final) / 2, final: AUC 0.375 for the reference, 0.1875 / 0.1875 / 0.225 for pg
     assert row.endswith(f"| {_interval_cell(paired_interval([-0.1875, -0.1875, -0.15]), 3)} | below |")
     assert "| Δ AUC vs `reference` | separates |" in report
+
+
+def test_report_pairs_compare_two_chosen_groups_seed_by_seed(tmp_path, capsys):
+    sweep = fake_sweep(tmp_path / "s", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1],
+                                        "pg+replay": [0.4, 0.5, 0.45]})
+    assert main(["report", str(sweep), "--by", "variant", "--pairs", "pg+replay:pg"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| pg+replay − pg |"))
+    # finals 0.4 − 0.0, 0.5 − 0.0, 0.45 − 0.1; the fake records log no KL
+    assert row.startswith("| pg+replay − pg | +0.417 [+0.227, +0.606] (3) | above |") and row.endswith("| — |")
+    assert main(["report", str(sweep), "--pairs", "tis:pg"]) == 2
+    assert "report --pairs: no group 'tis'" in capsys.readouterr().err
+    assert main(["report", str(sweep), "--pairs", "pg"]) == 2
+    assert "'pg' is not A:B" in capsys.readouterr().err

@@ -195,12 +195,17 @@ def group_runs(sweep_dir, by: list[str] | None = None) -> tuple[dict[str, list[d
     return groups, group_values, by, ref, problems
 
 
-def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) -> Path:
+def write_sweep_report(sweep_dir, by: list[str] | None = None, references=(), pairs=()) -> Path:
     """The sweep's table and plots; ``references``: other sweeps whose reference runs a run pairs with
-    when they started from its initial model and the sweep's own reference of its seeds did not."""
+    when they started from its initial model and the sweep's own reference of its seeds did not; ``pairs``:
+    ``(A, B)`` group labels compared seed by seed (a table of A − B)."""
     sweep_dir = Path(sweep_dir)
     outside = [row for other in references for row in reference_runs(Path(other))]
     groups, group_values, by, ref, problems = group_runs(sweep_dir, by)
+    for label in (x for pair in pairs for x in pair):
+        if label not in groups:
+            raise ValueError(f"report --pairs: no group {label!r} in {sweep_dir} (groups by {', '.join(by)}: "
+                             f"{', '.join(groups)})")
     runs = [r for rs in groups.values() for r in rs]
     start = statistics.fmean(r["initial"] for rs in groups.values() for r in rs)
     threshold = start + 0.5 * (statistics.fmean(r["final"] for r in groups[ref]) - start)
@@ -254,6 +259,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=()) ->
             f"{spread([r['masked'] for r in rs], '.3f')} | {spread([r['wall'] for r in rs], '.0f')} | "
             f"{spread([r['tokens_per_s'] for r in rs], '.0f')} |")
     lines += _paired_table(groups, group_values, by, ref, paired)
+    lines += _pairs_table(groups, pairs)
     lines += _seed_table(groups) + _seed_table(groups, "best")
     lines += _drift_table(groups, ref)
     if paired_outside:
@@ -319,6 +325,27 @@ def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple],
                  f"recovers before its last evaluation shows there, not in its final reward."),
             "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates | Δ AUC vs `{ref}` | separates |",
             "|---|---|---|---|---|---|---|", *rows]
+
+
+def _pairs_table(groups: dict[str, list[dict]], pairs) -> list[str]:
+    """``--pairs A:B``: per pair of groups, A − B seed by seed (same seeds, same initial model): final held-out
+    reward and AUC with their Student-t intervals, and the ratio of the runs' mean KL(q‖p), A's over B's."""
+    rows = []
+    for a, b in pairs:
+        final, auc = paired_deltas(groups[a], groups[b]), paired_deltas(groups[a], groups[b], "auc")
+        by_seeds = {r["seeds"]: r for r in groups[b]}
+        kl = [r["kl"] / by_seeds[r["seeds"]]["kl"] for r in groups[a]
+              if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r) and by_seeds[r["seeds"]]["kl"] > 0]
+        fi, ai = paired_interval(final), paired_interval(auc)
+        rows.append(f"| {a} − {b} | {_interval_cell(fi, len(final))} | {separation(fi) if final else '—'} | "
+                    f"{_interval_cell(ai, len(auc))} | {separation(ai) if auc else '—'} | "
+                    f"{', '.join(f'{x:.2f}' for x in kl) or '—'} |")
+    if not rows:
+        return []
+    return ["", (f"Pairs asked for (`--pairs A:B`): A − B seed by seed, mean [{LEVEL:.0%} Student-t interval over "
+                 "the seeds] (pairs); the last column is each seed's mean KL(q‖p) of A's run over B's."),
+            "", "| pair | Δ final | separates | Δ AUC | separates | KL A / B per seed |", "|---|---|---|---|---|---|",
+            *rows]
 
 
 def compare_sweeps(sweeps: list, labels: list[str] | None = None, by: list[str] | None = None) -> str:
