@@ -201,6 +201,9 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=(), pa
     ``(A, B)`` group labels compared seed by seed (a table of A − B)."""
     sweep_dir = Path(sweep_dir)
     outside = [row for other in references for row in reference_runs(Path(other))]
+    command = (f"driftless report {sweep_dir}" + (f" --by {' '.join(by)}" if by else "")
+               + (f" --references {' '.join(map(str, references))}" if references else "")
+               + (f" --pairs {' '.join(f'{a}:{b}' for a, b in pairs)}" if pairs else ""))
     groups, group_values, by, ref, problems = group_runs(sweep_dir, by)
     for label in (x for pair in pairs for x in pair):
         if label not in groups:
@@ -213,7 +216,7 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=(), pa
              (f"{len(runs)} runs in {len(groups)} groups by {', '.join(by)}; mean [min, max] over each group's runs. "
              f"Threshold {threshold:.3f} (halfway from the mean initial held-out reward to `{ref}`'s mean final); "
              f"collapse: held-out reward below its start − {COLLAPSE_MARGIN} for good. Regenerate with "
-             f"`driftless report {sweep_dir}{''.join(f' --references {o}' for o in references)}`."), "",
+             f"`{command}`."), "",
              (f"Δ vs `{ref}`: final held-out reward minus that of the `{ref}` run with the same seeds; "
               "how many runs end below it."), "",
              (f"| {' / '.join(by)} | runs | final eval | Δ vs `{ref}` | best eval | AUC | steps to threshold | "
