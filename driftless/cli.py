@@ -411,13 +411,7 @@ def _sweep(args) -> int:
 def _report(args) -> int:
     from driftless.experiments.sweep_report import write_sweep_report
 
-    pairs = []
-    for pair in args.pairs:
-        a, sep, b = pair.partition(":")
-        if not sep or not a or not b:
-            raise ValueError(f"report --pairs: {pair!r} is not A:B (two group labels, e.g. pg+replay:tis)")
-        pairs.append((a, b))
-    print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references, pairs=pairs).read_text())
+    print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references, pairs=args.pairs).read_text())
     return 0
 
 

@@ -403,6 +403,15 @@ def test_report_pairs_compare_two_chosen_groups_seed_by_seed(tmp_path, capsys):
     # finals 0.4 − 0.0, 0.5 − 0.0, 0.45 − 0.1; the fake records log no KL
     assert row.startswith("| pg+replay − pg | +0.417 [+0.227, +0.606] (3) | above |") and row.endswith("| — |")
     assert main(["report", str(sweep), "--pairs", "tis:pg"]) == 2
-    assert "report --pairs: no group 'tis'" in capsys.readouterr().err
+    assert "report --pairs: 'tis:pg' does not split into two groups" in capsys.readouterr().err
     assert main(["report", str(sweep), "--pairs", "pg"]) == 2
     assert "'pg' is not A:B" in capsys.readouterr().err
+
+
+def test_report_pairs_split_labels_that_hold_colons_themselves(tmp_path):
+    from driftless.experiments.sweep_report import split_pair
+
+    groups = {"pg, noise:0.3": [], "sc, noise:0.3": [], "pg, noise:0.6": []}
+    assert split_pair("sc, noise:0.3:pg, noise:0.3", groups, "s", ["variant"]) == ("sc, noise:0.3", "pg, noise:0.3")
+    with pytest.raises(ValueError, match="does not split into two groups"):
+        split_pair("sc, noise:0.3:tis, noise:0.3", groups, "s", ["variant"])

@@ -201,10 +201,14 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=(), pa
     ``(A, B)`` group labels compared seed by seed (a table of A − B)."""
     sweep_dir = Path(sweep_dir)
     outside = [row for other in references for row in reference_runs(Path(other))]
+    def shell(word: str) -> str:
+        return f"'{word}'" if any(c in word for c in " ,") else word
     command = (f"driftless report {sweep_dir}" + (f" --by {' '.join(by)}" if by else "")
                + (f" --references {' '.join(map(str, references))}" if references else "")
-               + (f" --pairs {' '.join(f'{a}:{b}' for a, b in pairs)}" if pairs else ""))
+               + (" --pairs " + " ".join(shell(p if isinstance(p, str) else ":".join(p)) for p in pairs)
+                  if pairs else ""))
     groups, group_values, by, ref, problems = group_runs(sweep_dir, by)
+    pairs = [split_pair(p, groups, sweep_dir, by) if isinstance(p, str) else tuple(p) for p in pairs]
     for label in (x for pair in pairs for x in pair):
         if label not in groups:
             raise ValueError(f"report --pairs: no group {label!r} in {sweep_dir} (groups by {', '.join(by)}: "
@@ -328,6 +332,19 @@ def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple],
                  f"recovers before its last evaluation shows there, not in its final reward."),
             "", f"| {' / '.join(by)} | Δ vs `{ref}` | separates | Δ vs pg | separates | Δ AUC vs `{ref}` | separates |",
             "|---|---|---|---|---|---|---|", *rows]
+
+
+def split_pair(text: str, groups, sweep_dir, by) -> tuple[str, str]:
+    """``A:B`` into two group labels; labels may hold colons themselves (``pg, noise:0.3``), so the split is the
+    one colon at which both sides are groups of the sweep."""
+    splits = [(text[:i], text[i + 1:]) for i, c in enumerate(text) if c == ":"]
+    known = [(a, b) for a, b in splits if a in groups and b in groups]
+    if len(known) == 1:
+        return known[0]
+    if not splits:
+        raise ValueError(f"report --pairs: {text!r} is not A:B (two group labels, e.g. pg+replay:tis)")
+    raise ValueError(f"report --pairs: {text!r} does not split into two groups of {sweep_dir} (groups by "
+                     f"{', '.join(by)}: {', '.join(groups)})")
 
 
 def _pairs_table(groups: dict[str, list[dict]], pairs) -> list[str]:
