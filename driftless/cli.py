@@ -250,7 +250,6 @@ def _one_line(err: BaseException) -> str:
 
 
 def _pack(args) -> int:
-
     from driftless.train.sinks import has_record, pack_run
 
     runs = []
@@ -354,7 +353,6 @@ def _eval(args) -> int:
 
 
 def _replay(args) -> int:
-
     from driftless.train.checkpoint import latest_checkpoint, load_checkpoint
     from driftless.train.loop import TIMING_KEYS
     from driftless.train.sinks import read_metrics
@@ -416,7 +414,6 @@ def _report(args) -> int:
 
 
 def _compare(args) -> int:
-
     from driftless.experiments.sweep_report import compare_sweeps
 
     text = compare_sweeps(args.sweep_dirs, labels=args.labels, by=args.by)
@@ -484,7 +481,6 @@ def _make_model(args) -> int:
 
 
 def _export_task(args) -> int:
-
     from driftless.tasks import make_task
     from driftless.tasks.export import task_rows, write_jsonl
 

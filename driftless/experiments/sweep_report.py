@@ -299,12 +299,16 @@ def pg_partner(group_values: dict[str, tuple], by: list[str], label: str) -> str
                  and all(x == y for i, (x, y) in enumerate(zip(v, mine)) if i != method)), None)
 
 
+def partners(runs: list[dict], others: list[dict]) -> list[tuple[dict, dict]]:
+    """Each run with the run in ``others`` of the same seeds and initial model, where there is one."""
+    by_seeds = {r["seeds"]: r for r in others}
+    return [(r, by_seeds[r["seeds"]]) for r in runs if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r)]
+
+
 def paired_deltas(runs: list[dict], others: list[dict], key: str = "final") -> list[float]:
     """Final held-out reward (or ``key``: ``auc``) of each run minus that of the run in ``others`` with the same
     seeds and initial model."""
-    by_seeds = {r["seeds"]: r for r in others}
-    return [r[key] - by_seeds[r["seeds"]][key] for r in runs
-            if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r)]
+    return [r[key] - other[key] for r, other in partners(runs, others)]
 
 
 def _paired_table(groups: dict[str, list[dict]], group_values: dict[str, tuple], by: list[str], ref: str,
@@ -353,9 +357,7 @@ def _pairs_table(groups: dict[str, list[dict]], pairs) -> list[str]:
     rows = []
     for a, b in pairs:
         final, auc = paired_deltas(groups[a], groups[b]), paired_deltas(groups[a], groups[b], "auc")
-        by_seeds = {r["seeds"]: r for r in groups[b]}
-        kl = [r["kl"] / by_seeds[r["seeds"]]["kl"] for r in groups[a]
-              if r["seeds"] in by_seeds and same_start(by_seeds[r["seeds"]], r) and by_seeds[r["seeds"]]["kl"] > 0]
+        kl = [r["kl"] / other["kl"] for r, other in partners(groups[a], groups[b]) if other["kl"] > 0]
         fi, ai = paired_interval(final), paired_interval(auc)
         rows.append(f"| {a} − {b} | {_interval_cell(fi, len(final))} | {separation(fi) if final else '—'} | "
                     f"{_interval_cell(ai, len(auc))} | {separation(ai) if auc else '—'} | "
