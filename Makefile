@@ -50,7 +50,7 @@ study-paper: $(STAMP)
 # the drift regime (docs/RESULTS.md §9): SGD at a constant rate for 300 steps, 5 seeds; about 9 hours on 2 cores,
 # outside make study; resumable
 study-drift: $(STAMP)
-	$(VENV)/bin/driftless study --only drift-sgd drift-noise drift-adamw drift-noise-mild drift-bpe-calibration drift-lag
+	$(VENV)/bin/driftless study --only drift-sgd drift-noise drift-adamw drift-noise-mild drift-bpe-calibration drift-lag drift-bpe
 
 # moe.yaml's comparison in the drift regime (docs/RESULTS.md §10): 27 MoE runs of 300 steps, about 3 hours on
 # 2 cores, outside make study; resumable

@@ -107,6 +107,10 @@ CLAIMS += (
     Claim("drift-lag", ("variant",),
           "the drift regime, experiment 2: lag 16 under SGD, pg / tis / mis / sc / sc+tis / sc+mis, 5 seeds",
           extra=True),
+    Claim("drift-bpe", ("variant",),
+          "the drift regime, experiment 4: the BPE checkpoint under sampler noise 0.3 (pg degrades there), pg / tis / sc "
+          "/ sc+tis, top-k centering at k = 1 / 4 / 32 / full, and pg at noise 0.6, 3 seeds",
+          extra=True, stand_in=True),
 )
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
 
