@@ -415,3 +415,15 @@ def test_report_pairs_split_labels_that_hold_colons_themselves(tmp_path):
     assert split_pair("sc, noise:0.3:pg, noise:0.3", groups, "s", ["variant"]) == ("sc, noise:0.3", "pg, noise:0.3")
     with pytest.raises(ValueError, match="does not split into two groups"):
         split_pair("sc, noise:0.3:tis, noise:0.3", groups, "s", ["variant"])
+
+
+def test_a_reports_regenerate_line_names_the_sweep_as_seen_from_here(tmp_path, monkeypatch):
+    sweep = fake_sweep(tmp_path / "results" / "s", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1]})
+    monkeypatch.chdir(tmp_path)  # the study passes resolved paths: a committed report must not carry this machine's
+    report = write_sweep_report(sweep.resolve(), by=["variant"]).read_text()
+    assert "Regenerate with `driftless report results/s --by variant`." in report
+    assert str(tmp_path) not in report
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a sweep outside the working directory keeps the path it was given
+    assert f"`driftless report {sweep.resolve()}`" in write_sweep_report(sweep.resolve()).read_text()

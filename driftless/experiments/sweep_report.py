@@ -195,6 +195,15 @@ def group_runs(sweep_dir, by: list[str] | None = None) -> tuple[dict[str, list[d
     return groups, group_values, by, ref, problems
 
 
+def shown(path) -> str:
+    """``path`` as a command written into a report shows it: relative to the working directory when it is
+    under it (the study passes resolved paths; a report committed with /home/... in it regenerates nowhere)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def write_sweep_report(sweep_dir, by: list[str] | None = None, references=(), pairs=()) -> Path:
     """The sweep's table and plots; ``references``: other sweeps whose reference runs a run pairs with
     when they started from its initial model and the sweep's own reference of its seeds did not; ``pairs``:
@@ -203,8 +212,8 @@ def write_sweep_report(sweep_dir, by: list[str] | None = None, references=(), pa
     outside = [row for other in references for row in reference_runs(Path(other))]
     def shell(word: str) -> str:
         return f"'{word}'" if any(c in word for c in " ,") else word
-    command = (f"driftless report {sweep_dir}" + (f" --by {' '.join(by)}" if by else "")
-               + (f" --references {' '.join(map(str, references))}" if references else "")
+    command = (f"driftless report {shown(sweep_dir)}" + (f" --by {' '.join(by)}" if by else "")
+               + (f" --references {' '.join(shown(r) for r in references)}" if references else "")
                + (" --pairs " + " ".join(shell(p if isinstance(p, str) else ":".join(p)) for p in pairs)
                   if pairs else ""))
     groups, group_values, by, ref, problems = group_runs(sweep_dir, by)
@@ -392,7 +401,7 @@ def compare_sweeps(sweeps: list, labels: list[str] | None = None, by: list[str] 
               f"the same seeds, mean [{LEVEL:.0%} Student-t interval over the seeds] (pairs), **above** / **below** "
               f"when the interval excludes zero; collapsed: runs whose held-out reward fell below its start − "
               f"{COLLAPSE_MARGIN} for good. *Same verdicts*: every sweep separates alike vs the reference and vs pg. "
-              f"Regenerate with `driftless compare {' '.join(map(str, sweeps))} --labels {' '.join(labels)}`."), "",
+              f"Regenerate with `driftless compare {' '.join(map(shown, sweeps))} --labels {' '.join(labels)}`."), "",
              head + " | same verdicts |", "|---|" + "---|---|---|" * len(sweeps) + "---|"]
     for g in order:
         cells, verdicts = [], []
