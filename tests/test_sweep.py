@@ -318,10 +318,12 @@ def test_the_drift_table_gives_each_groups_growth_and_each_runs_own():
     from driftless.experiments.sweep_report import _drift_table
 
     def run(seed, kls):
-        return {"seeds": (seed, None), "rows": [{"kl_k3": k, "eq1_disagreement_abs": 1.0, "ratio_p99": 2.0} for k in kls]}
+        return {"seeds": (seed, None), "rows": [{"kl_k3": k, "eq1_movement_abs": 0.5 * k, "eq1_disagreement_abs": 1.0,
+                                                 "ratio_p99": 2.0} for k in kls]}
     groups = {"reference": [run(0, [0.0] * 5)], "pg": [run(1, [1, 1, 1, 1, 8]), run(0, [1, 1, 1, 1, 2])]}
     table = _drift_table(groups, "reference")
-    assert table[-1] == "| pg | 1.00e+00 → 5.00e+00 (×5.00) | 1.00e+00 → 1.00e+00 (×1.00) | 2 → 2 (×1.00) | ×2.00, ×8.00 |"
+    assert table[-1] == ("| pg | 1.00e+00 → 5.00e+00 (×5.00) | 5.00e-01 → 2.50e+00 (×5.00) | 1.00e+00 → 1.00e+00 (×1.00) "
+                         "| 2 → 2 (×1.00) | ×2.00, ×8.00 |")
     assert len(table) == 6  # the reference has no mismatch to follow
 
 

@@ -38,8 +38,9 @@ from driftless.train.sinks import has_record
 COLLAPSE_MARGIN = 0.05
 LEVEL = 0.95  # the paired intervals' coverage
 PHASE = 0.2  # the drift table's early and late phases: the first and the last fifth of a run's steps
-DRIFT_KEYS = (("kl_k3", "KL(q‖p)", ".2e"), ("eq1_disagreement_abs", "Eq. 1 mean abs disagreement", ".2e"),
-              ("ratio_p99", "p99 p/q", ".3g"))
+DRIFT_KEYS = (("kl_k3", "KL(q‖p)", ".2e"), ("eq1_movement_abs", "Eq. 1 mean abs movement", ".2e"),
+              ("eq1_disagreement_abs", "Eq. 1 mean abs disagreement", ".2e"), ("ratio_p99", "p99 p/q", ".3g"))
+# movement is lag's share of Eq. 1 (weights moved since the sample), disagreement the sampler's own numerics
 
 
 def early_late(rows: list[dict], key: str, phase: float = PHASE) -> tuple[float, float]:
@@ -467,7 +468,9 @@ def _drift_table(groups: dict[str, list[dict]], ref: str) -> list[str]:
     return ["", (f"Mismatch over the run: each measure's mean over the first and the last {PHASE:.0%} of the steps "
                  "(mean over the group's runs), and late / early. A growing KL is drift growing per token (the score's "
                  "mean under q is q − p in logit space, of L1 norm at most √(2 KL)); a collapsed run's late phase is "
-                 "its collapsed policy's. The last column: each run's own KL late / early, in seed order."),
+                 "its collapsed policy's. Eq. 1's movement is the share from weights that moved since the sample (lag), its "
+                 "disagreement the sampler's own numerics at the sample's weights. The last column: each run's own KL "
+                 "late / early, in seed order."),
             "", "| group | " + " | ".join(name for _, name, _ in DRIFT_KEYS) + " | KL late / early, each run |",
             "|---|" + "---|" * (len(DRIFT_KEYS) + 1), *rows]
 
