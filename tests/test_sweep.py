@@ -147,6 +147,35 @@ def test_reuse_gives_every_twin_the_record_and_drops_a_killed_trials_partial_lin
     assert reuse_finished({other: config(1)}, [tmp_path / "old"]) == {}
 
 
+def test_reuse_takes_only_a_run_that_started_from_the_weights_this_machine_would_start_from(tmp_path):
+    """A fast-mode warm start's bits follow the CPU's kernels: the same computation recorded on another machine
+    started from other weights, and pairing it with runs trained here would compare two starting points."""
+    from driftless.experiments.sweep import recorded_start, reuse_finished, start_digests
+    from driftless.train.config import dump_config, load_config
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in SMALL.items()])
+    here = start_digests()(cfg)  # this machine's starting weights (a seeded random init here)
+    assert here == start_digests()(cfg) and len(here) == 16
+
+    def finished(name, initial):
+        run = tmp_path / "old" / name
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(dump_config(cfg))
+        (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.5}\n')
+        (run / "initial_eval.json").write_text(json.dumps(initial))
+        (run / "done.json").write_text("{}")
+        return run
+    elsewhere = finished("a-elsewhere", {"eval_reward": 0.3, "start_weights_sha256": "0" * 16})
+    older = finished("b-older", {"eval_reward": 0.3, "warm_start": None})  # a record without a digest: can't tell
+    assert recorded_start(elsewhere) == "0" * 16 and recorded_start(older) is None
+    target = tmp_path / "new" / "run"
+    assert reuse_finished({target: cfg}, [tmp_path / "old"], start=start_digests()) == {}
+    assert reuse_finished({target: cfg}, [tmp_path / "old"]) == {target: elsewhere}  # without the check: taken
+    target2 = tmp_path / "new" / "run2"
+    same = finished("c-same", {"eval_reward": 0.3, "warm_start": {"weights_sha256": here}})  # an older record's place
+    assert reuse_finished({target2: cfg}, [tmp_path / "old"], start=start_digests()) == {target2: same}
+
+
 @pytest.mark.slow  # make test-slow: two sweeps (~50 s)
 def test_a_sweep_reuses_the_finished_runs_of_another_folder_with_the_same_computation(tmp_path, capsys):
     first = experiment(tmp_path, {"train.seed": [0]}, reference={"mismatch.view": "none"}, variants={"noisy": {"mismatch.view": "noise:0.05"}})
@@ -252,7 +281,8 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     # a run that started from another initial model (a warm start recomputed on another CPU) is marked, not hidden
     stale_start = root / "second" / "stale,train.seed=0" / "initial_eval.json"
     record = json.loads(stale_start.read_text())
-    stale_start.write_text(json.dumps({**record, "eval_reward": record["eval_reward"] + 0.25}))
+    elsewhere = {"eval_reward": record["eval_reward"] + 0.25, "start_weights_sha256": "f" * 16}
+    stale_start.write_text(json.dumps({**record, **elsewhere}))
     report = write_sweep_report(root / "second", by=["variant"]).read_text()
     assert f"| {delta:+.3f} ({int(delta < 0)} of 1 below) † 1 |" in report
     assert "† 1 runs started from another initial model than the `reference` run of their seeds" in report
@@ -262,7 +292,7 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
     other = tmp_path / "other"
     shutil.copytree(root / "second", other, ignore=shutil.ignore_patterns("stale*", ".tune", "plots"))
     moved = other / "reference,train.seed=0" / "initial_eval.json"
-    moved.write_text(json.dumps({**json.loads(moved.read_text()), "eval_reward": record["eval_reward"] + 0.25}))
+    moved.write_text(json.dumps({**json.loads(moved.read_text()), **elsewhere}))
     report = write_sweep_report(root / "second", by=["variant"], references=[other]).read_text()
     assert "†" not in report and f"| {delta:+.3f} ({int(delta < 0)} of 1 below) |" in report  # same final: same Δ
     assert f"paired with the reference run of their seeds and initial model from `{other}`: stale,train.seed=0." in report

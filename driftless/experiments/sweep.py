@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -271,16 +272,49 @@ def _key(computation: dict | None) -> str:
     return json.dumps(computation, sort_keys=True, default=str)
 
 
-def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[Path, Path]:
+def recorded_start(run_dir: Path) -> str | None:
+    """The digest of the weights a finished run started from (``initial_eval.json``): ``start_weights_sha256``,
+    else its warm start's (records before the former); None when the record holds neither."""
+    saved = Path(run_dir) / "initial_eval.json"
+    if not saved.exists():
+        return None
+    info = json.loads(saved.read_text())
+    return info.get("start_weights_sha256") or (info.get("warm_start") or {}).get("weights_sha256")
+
+
+def start_digests():
+    """``cfg -> digest`` of the weights a run of ``cfg`` would start from on this machine (its warm start, built
+    or read from the cache, or its checkpoint), once per distinct start."""
+    from driftless.train.warmstart import state_digest
+
+    seen: dict[str, str] = {}
+
+    def digest(cfg: RunConfig) -> str:
+        key = json.dumps([asdict(cfg.model), asdict(cfg.task), asdict(cfg.warm_start), cfg.train.seed,
+                          cfg.train.reproducible, cfg.rollout.max_new_tokens], sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = state_digest(build.initial_state(cfg, progress=False)[0])
+        return seen[key]
+    return digest
+
+
+def reuse_finished(targets: dict[Path, RunConfig], search: list[Path], start=None) -> dict[Path, Path]:
     """Give each unfinished target the record of a finished run under ``search`` with the very same
     computation (``config.yaml`` equal but for presentation keys): ``{target: source}`` of those copied.
 
     A run with the same computation on this machine is the same run, bit for bit (one thread per trial);
-    a record from another machine is that machine's run (fast execution, docs/alignment.md)."""
+    a record from another machine is that machine's run (fast execution, docs/alignment.md), which started from
+    another warm start when the CPUs' kernels differ. ``start`` (``start_digests()``): a source is taken only
+    when it started from the weights a target would start from here, so a sweep never pairs its own runs with
+    another machine's reference."""
     wanted: dict[str, list[Path]] = {}  # two trials of one experiment may be the same computation: both take it
+    starts: dict[str, str | None] = {}
     for p, cfg in targets.items():
         if not (Path(p) / "done.json").exists():
-            wanted.setdefault(_key(_computation(cfg)), []).append(Path(p))
+            key = _key(_computation(cfg))
+            wanted.setdefault(key, []).append(Path(p))
+            if start is not None and key not in starts:
+                starts[key] = start(cfg)
     copied = {}
     for root in search:
         for done in sorted(Path(root).glob("**/done.json")) if Path(root).is_dir() else []:
@@ -288,6 +322,8 @@ def reuse_finished(targets: dict[Path, RunConfig], search: list[Path]) -> dict[P
             key = _key(_saved_computation(source / "config.yaml"))
             if key not in wanted:
                 continue
+            if start is not None and recorded_start(source) != starts[key]:
+                continue  # the same computation from another starting model: another machine's run
             if not all((source / f).exists() for f in RUN_RECORD if f != METRICS_FILE) or not has_record(source):
                 continue
             for target in wanted.pop(key):  # never the source itself: a source is finished, a target is not
@@ -314,10 +350,17 @@ def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = Non
     root = Path(run_dir).resolve()
     trials = exp.trials()
     root.mkdir(parents=True, exist_ok=True)
+    digest = start_digests()
     if reuse:
-        reused = reuse_finished({root / t.name: exp.config(t) for t in trials}, list(reuse))
+        reused = reuse_finished({root / t.name: exp.config(t) for t in trials}, list(reuse), start=digest)
         if reused and progress:
             print(f"{len(reused)} trial(s) of {root.name} reuse a finished identical run")
+    kept = [t.name for t in trials if (root / t.name / "done.json").exists()
+            and recorded_start(root / t.name) not in (None, digest(exp.config(t)))]
+    if kept and len(kept) < len(trials):
+        print(f"{root.name}: {len(kept)} finished trial(s) started from other weights than this machine's ({', '.join(kept[:3])}"
+              f"{', …' if len(kept) > 3 else ''}): the trials trained here pair with them across two starting "
+              "models (the report marks such pairs †)", file=sys.stderr)
     (root / "sweep.json").write_text(json.dumps({
         "experiment": str(exp.source), "base": str(exp.base) if exp.base else None, "set": exp.set,
         "variants": exp.variants, "grid": exp.grid, "reference": exp.reference,

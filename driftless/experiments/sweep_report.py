@@ -32,7 +32,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from driftless.experiments.report import eval_curve, read_metrics, spread
-from driftless.experiments.sweep import SEED_KEYS
+from driftless.experiments.sweep import SEED_KEYS, recorded_start
 from driftless.train.sinks import has_record
 
 COLLAPSE_MARGIN = 0.05
@@ -101,10 +101,8 @@ def run_row(run_dir: Path) -> dict:
     def mean(key):
         vals = [r[key] for r in rows if key in r]
         return statistics.fmean(vals) if vals else float("nan")
-    saved = Path(run_dir) / "initial_eval.json"
-    warm = (json.loads(saved.read_text()).get("warm_start") or {}) if saved.exists() else {}
     return {
-        "curve": (xs, ys), "rows": rows, "digest": warm.get("weights_sha256"),  # which initial model
+        "curve": (xs, ys), "rows": rows, "digest": recorded_start(Path(run_dir)),  # which initial model
         "initial": ys[0], "final": ys[-1], "best": max(ys), "auc": statistics.fmean(ys),
         "collapse": collapse_step(xs, ys), "steps": len(rows),
         "kl": mean("kl_k3"), "d2": mean("renyi_d2"), "p99": mean("ratio_p99"),

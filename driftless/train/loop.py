@@ -30,6 +30,7 @@ from driftless.train.ranks import Ranks
 from driftless.train.sinks import PACKABLE, PACKED_SUFFIX, open_sinks, unpack_run
 from driftless.train.sources import drop_stale, make_source, queue_metrics
 from driftless.train.trace import TRACE_DIR, write_batch
+from driftless.train.warmstart import state_digest
 
 TIMING_KEYS = ("tokens_per_s", "step_time", "rollout_s", "score_s", "loss_s", "optim_s", "eval_s", "wall_time",
                "learner_wait_s", "worker_wait_s", "prequeue_s", "inqueue_s")
@@ -65,6 +66,8 @@ class Run:
         self.source = make_source(config, state)
         self.ranks = getattr(self.learner, "ranks", None) or Ranks()  # a remote learner runs on one rank
         self.primary = self.ranks.rank == 0  # learner rank 0 evaluates, logs and checkpoints
+        # which model the run starts from (a fast-mode warm start's bits follow the CPU's kernels); rank 0 records it
+        self.start_digest = state_digest(state) if self.primary else None
         self.step_index = 0  # completed steps
         self.reward_ema: float | None = None
         self.best_reward_ema = 0.0
@@ -204,6 +207,7 @@ class Run:
                 (self.dir / (name + PACKED_SUFFIX)).unlink(missing_ok=True)
             initial = self._evaluate()
             (self.dir / "initial_eval.json").write_text(json.dumps({"eval_reward": initial,
+                                                                    "start_weights_sha256": self.start_digest,
                                                                     "warm_start": self.warm_info}, indent=2))
         checkpoint.atomic_write(self.dir / "config.yaml", dump_config(cfg))
         sinks = open_sinks(cfg.train.loggers, self.dir, asdict(cfg))

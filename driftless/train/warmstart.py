@@ -67,10 +67,16 @@ def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 of the parameters' bytes in order: the same key can train other weights on another CPU (the
     warm start runs in fast mode, whose bits follow the kernel set), and a study must not pair runs that
     started from different models (the sweep report flags them)."""
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict) -> str:
+    """``weights_digest`` of a state dict: which model a run starts from (its ``initial_eval.json`` records it as
+    ``start_weights_sha256``, and a sweep reuses a finished run only when this machine would start from the same)."""
     h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         h.update(name.encode())
-        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        h.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())  # bf16 too
     return h.hexdigest()[:16]
 
 
