@@ -12,6 +12,7 @@ from driftless.ops.exact import (
     exact_attention,
     exact_linear,
     exact_log_softmax,
+    exact_sqrt,
     exact_sum,
     exp32,
     exp64,
@@ -49,6 +50,28 @@ def test_exact_attention_ignores_slots_it_cannot_see_and_other_rows(seed, b, t, 
         torch.arange(span)[None, None, None, :] > positions[:, None, :, None], float("-inf"))
     ref = torch.softmax(s64, -1) @ v[:, :, :span].double()
     assert (out.double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.lists(st.integers(0, 0x7F7FFFFF), min_size=1, max_size=64))
+def test_exact_sqrt_is_the_correctly_rounded_root(bits):
+    """For every positive finite float32 (subnormals included), r = exact_sqrt(x) is the float32 nearest √x:
+    x lies strictly between the squares of the midpoints to its neighbours, computed exactly in float64 (a
+    midpoint has 25 significant bits, its square 50). torch.sqrt misses this on Intel's MKL branches."""
+    x = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    x = torch.where(x > 0, x, torch.ones_like(x))
+    r = exact_sqrt(x)
+    up = torch.nextafter(r, torch.full_like(r, math.inf)).double()
+    down = torch.nextafter(r, torch.zeros_like(r)).double()
+    r64, x64 = r.double(), x.double()
+    assert bool(((r64 + down) / 2 * ((r64 + down) / 2) < x64).all())
+    assert bool((x64 < (r64 + up) / 2 * ((r64 + up) / 2)).all())
+    assert torch.equal(exact_sqrt(x.double()).float(), r)  # float64's root rounded again: the same float32
+    specials = torch.tensor([0.0, -0.0, math.inf, -1.0, math.nan])
+    got = exact_sqrt(specials)
+    assert got[0] == 0 and got[1] == 0 and math.copysign(1, got[1]) == -1 and got[2] == math.inf
+    assert got[3].isnan() and got[4].isnan()
+    assert torch.equal(exact_sqrt(torch.tensor(4.0, dtype=torch.bfloat16)), torch.tensor(2.0, dtype=torch.bfloat16))
 
 
 def test_pow2_is_exact_over_the_whole_range():

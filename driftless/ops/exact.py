@@ -8,7 +8,8 @@ only four kinds of operation, each exact or correctly rounded by IEEE 754 on eve
 
 1. **Elementwise + − × ÷ √, comparisons, max, round, casts** (each result correctly rounded,
    one kernel per operation, so nothing can be fused into an FMA), and powers of two built from
-   their bits (``pow2``).
+   their bits (``pow2``). √ is ``exact_sqrt``: torch's own ``sqrt`` on x86 builds calls MKL's vector
+   math, whose results are within an ulp but not correctly rounded and differ by MKL code branch.
 2. **Fixed-order float32 GEMMs** for the linear layers and attention (``exact_linear``,
    ``exact_attention``): every output is one chain of fused multiply-adds in ``k`` order
    (``ops.fixed_mm``), vectorised only across independent outputs and threaded only across whole
@@ -38,10 +39,32 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm, gemm_layout
 from driftless.ops.fuse import fused
+
+
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """√x correctly rounded (IEEE 754), the same bits on every CPU.
+
+    ``torch.sqrt`` on an x86 build calls MKL's vector math library (VML, "high accuracy": within an ulp, not
+    correctly rounded), and its result follows the code branch MKL picks for the CPU: on an Intel Xeon with
+    AVX-512, 15 % of a million float32 roots differ from the correctly rounded one under MKL's compatible
+    branch, 0.7 % under AVX-512 and none under AVX2 (``tests/test_reproducible.py``). numpy's ``sqrt`` is the
+    processor's square-root instruction, which IEEE 754 requires to round correctly. Compiled code
+    (inductor) already emits that instruction, so a traced call keeps ``torch.sqrt``. Half and bfloat16 go
+    through float32 (correctly rounded twice is still correct: 24 ≥ 2 · 11 + 2)."""
+    if torch.compiler.is_compiling():
+        return torch.sqrt(x)
+    if x.dtype in (torch.float32, torch.float64):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        np.sqrt(x.detach().contiguous().numpy(), out=out.numpy())
+        return out
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return exact_sqrt(x.float()).to(x.dtype)
+    return torch.sqrt(x)  # integers promote to float32 in torch.sqrt: its result is the float32 root's
 
 MANTISSA = 53  # float64 significand bits: integers up to 2^53 are exact
 _EXP_LO, _EXP_HI = -900, 1000  # clamp for row exponents (keeps every pow2 argument in range)
@@ -199,7 +222,7 @@ def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """RMSNorm with an exact sum of squares (of x snapped to its row grid); fp32 result."""
     d = x.shape[-1]
     xs = snap(x, reduction_bits(d) // 2)
-    rms = torch.sqrt((xs * xs).sum(-1, keepdim=True) / d + eps).float()  # the sum is exact
+    rms = exact_sqrt((xs * xs).sum(-1, keepdim=True) / d + eps).float()  # the sum is exact
     return x / rms * weight
 
 
@@ -302,7 +325,7 @@ def exact_rms_norm_grad(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tenso
     """(∂/∂x, ∂/∂weight) of ``exact_rms_norm``: y = x · r · w, r = 1 / rms as the forward computes it."""
     d = x.shape[-1]
     xs = snap(x, reduction_bits(d) // 2)
-    rms = torch.sqrt((xs * xs).sum(-1, keepdim=True) / d + eps).float()
+    rms = exact_sqrt((xs * xs).sum(-1, keepdim=True) / d + eps).float()
     r = 1.0 / rms
     gw = grad * weight
     mean_gwx = (exact_sum_slices(gw * x, -1) / d).float()

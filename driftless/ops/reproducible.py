@@ -9,7 +9,7 @@ of the forward, of autograd's backward and of the optimizer, and for each one it
 three things:
 
 1. **Runs it as it is** when its result cannot depend on the machine: IEEE 754 elementwise
-   + − × ÷ √ (each correctly rounded, one kernel per operation, so never fused into an FMA),
+   + − × ÷ (each correctly rounded, one kernel per operation, so never fused into an FMA),
    comparisons, selections, casts, copies, views and indexing, exact reductions (max, min, any,
    integer sums), uniform and integer random draws (the same bits under every kernel set).
 2. **Replaces it** with a construction whose bits are fixed by definition (the rules below):
@@ -18,7 +18,8 @@ three things:
      any order; ``exact_sum_rows``);
    - matrix products: the fixed-order float32 GEMM (``ops.fixed_mm``: one fma chain per output);
    - exp, log, sin, cos, sigmoid, powers: fixed polynomials from (1) (``ops.exact``'s exp32 / exp64
-     / log64, and ``sincos64`` here);
+     / log64, and ``sincos64`` here); √: the processor's correctly rounded instruction (``exact_sqrt``:
+     torch's ``sqrt`` goes through MKL's vector math, whose roots differ by MKL code branch);
    - fused multiply-adds in disguise (``add(alpha=)``, ``addcmul``, ``addcdiv``, ``lerp``,
      ``addmm``): their parts as separate correctly rounded operations;
    - the embedding's gradient (a scatter-add over repeated tokens): exact integer codes added;
@@ -46,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftless.ops import dispatch
 from driftless.ops.dispatch import active, suspended  # noqa: F401 - re-exported
-from driftless.ops.exact import exp32, exp64, exponent_bound, log64, pow2
+from driftless.ops.exact import exact_sqrt, exp32, exp64, exponent_bound, log64, pow2
 from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm
 
 aten = torch.ops.aten
@@ -223,9 +224,9 @@ def exact_pow_scalar(x: torch.Tensor, e) -> torch.Tensor:
                 base = base * base
         return 1.0 / out if e < 0 else out.clone()
     if e == 0.5:
-        return torch.sqrt(x)
+        return exact_sqrt(x)
     if e == -0.5:
-        return 1.0 / torch.sqrt(x)
+        return 1.0 / exact_sqrt(x)
     x64 = x.double()
     out = exact_exp(e * log_f64(x64))
     return out.to(x.dtype)
@@ -257,7 +258,7 @@ def ndtri(p: torch.Tensor) -> torch.Tensor:
     r = q * q
     central = _horner(_A, r) * q / _horner((*_B, 1.0), r)
     tail_p = torch.where(p < 0.5, p, 1.0 - p).clamp_min(1e-300)
-    t = torch.sqrt(-2.0 * log_f64(tail_p))
+    t = exact_sqrt(-2.0 * log_f64(tail_p))
     tail = _horner(_C, t) / _horner((*_D, 1.0), t)
     tail = torch.where(p < 0.5, tail, -tail)
     return torch.where(torch.abs(q) <= 0.5 - _P_LOW, central, tail)
@@ -373,7 +374,7 @@ _PASS = {
     "select_backward", "slice_backward", "diagonal_backward", "unfold_backward", "index_fill", "index_fill_",
     "masked_scatter", "masked_scatter_", "fill",
     # correctly rounded elementwise arithmetic (alpha / value handled by rules), comparisons, bit operations
-    "mul", "mul_", "div", "div_", "neg", "neg_", "abs", "abs_", "sqrt", "sqrt_", "reciprocal", "reciprocal_",
+    "mul", "mul_", "div", "div_", "neg", "neg_", "abs", "abs_", "reciprocal", "reciprocal_",
     "minimum", "maximum", "fmax", "fmin", "sign", "sgn", "signbit", "round", "round_", "floor", "floor_", "ceil",
     "ceil_", "trunc", "trunc_", "frac", "remainder", "fmod", "frexp", "ldexp", "nextafter", "copysign",
     "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
@@ -477,7 +478,7 @@ def _rule_var(func, args, kwargs, root: bool = False):
     mean = exact_sum_rows(rows)[..., None] / n
     dev = rows - mean
     var = exact_sum_rows(dev * dev) / max(n - correction, 0)
-    out = torch.sqrt(var) if root else var
+    out = exact_sqrt(var) if root else var
     return _keep(out, x, dims, a.get("keepdim", False)).to(x.dtype)
 
 
@@ -490,7 +491,7 @@ def _rule_norm(func, args, kwargs):
     dims = _reduce_dims(x, dim)
     rows = _rows(x.double(), dims)
     if ord_ == 2:
-        out = torch.sqrt(exact_sum_rows(rows * rows))  # a float32 value's square is exact in float64
+        out = exact_sqrt(exact_sum_rows(rows * rows))  # a float32 value's square is exact in float64
     elif ord_ == 1:
         out = exact_sum_rows(rows.abs())
     elif ord_ == float("inf"):
@@ -539,7 +540,7 @@ def _unary(fn):
 
 
 def _rule_rsqrt(x):
-    return 1.0 / torch.sqrt(x)
+    return 1.0 / exact_sqrt(x)
 
 
 def _rule_tanh(x):
@@ -736,6 +737,7 @@ _RULES = {
     "exp": _rule_exp, "exp_": _rule_exp, "log": _unary(exact_log), "log_": _unary(exact_log),
     "log1p": _unary(exact_log1p), "expm1": _unary(exact_expm1), "sigmoid": _unary(exact_sigmoid),
     "sigmoid_": _unary(exact_sigmoid), "rsqrt": _unary(_rule_rsqrt), "rsqrt_": _unary(_rule_rsqrt),
+    "sqrt": _unary(exact_sqrt), "sqrt_": _unary(exact_sqrt),
     "tanh": _unary(_rule_tanh), "sin": _unary(_rule_sin), "cos": _unary(_rule_cos),
     "pow": _rule_pow, "pow_": _rule_pow,
     "_log_softmax": _rule_log_softmax, "_softmax": _rule_softmax,
