@@ -50,16 +50,17 @@ def trainer_for(brought, tmp_path, preset, **extra):
 
 
 def capture(trainer):
-    """Record the first _compute_loss call's inputs and loss."""
+    """Record the first _compute_loss call's inputs, loss and weights (and the last call's as ``seen["last"]``)."""
     seen = {}
     real = trainer._compute_loss
 
     def wrapped(model, inputs):
         loss = real(model, inputs)
-        if not seen:
-            seen["inputs"] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()}
-            seen["loss"] = float(loss.detach())
-            seen["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        call = {"inputs": {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()},
+                "loss": float(loss.detach()), "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        if "inputs" not in seen:
+            seen.update(call)
+        seen["last"] = call
         return loss
     trainer._compute_loss = wrapped
     return seen

@@ -43,7 +43,9 @@ def length_reward(prompts, completions, **columns):
 def test_trl_generating_with_vllm_records_the_engines_head_and_trains_with_the_objective(brought, tmp_path):
     """sc+tis in TRL with vLLM colocated: 2 steps train; on a captured batch the head is the engine's top-8 (sorted,
     the sampled token's log q among it whenever it is in the head), q is close to the trainer's p at the same
-    weights, and the loss equals the objective computed on the same tensors."""
+    weights, and the loss equals the objective computed on the same tensors. The second step's batch was sampled
+    from the weights the first step made (the sync reached the engine: on vLLM's CPU backend, whose packed layers
+    TRL's own colocated sync cannot load into, through the in-place reload)."""
     from transformers import AutoTokenizer
 
     from driftless.integrations.trl import DriftlessGRPOConfig, DriftlessGRPOTrainer
@@ -52,7 +54,7 @@ def test_trl_generating_with_vllm_records_the_engines_head_and_trains_with_the_o
     args = DriftlessGRPOConfig(
         output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=False, fp16=False,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=10, max_steps=2, logging_steps=1,
-        save_strategy="no", learning_rate=1e-3, seed=0, dataloader_num_workers=0, objective="sc+tis",
+        save_strategy="no", learning_rate=1e-2, seed=0, dataloader_num_workers=0, objective="sc+tis",
         objective_params={"top_k": HEAD}, head_k=HEAD, use_vllm=True, vllm_mode="colocate",
         vllm_max_model_length=64, vllm_gpu_memory_utilization=0.1)
     tok = AutoTokenizer.from_pretrained(root / "model", local_files_only=True)
@@ -81,3 +83,12 @@ def test_trl_generating_with_vllm_records_the_engines_head_and_trains_with_the_o
     assert float((view["logp"] - logq)[mask].abs().max()) < 2e-2
     expected, _ = make("sc+tis", top_k=HEAD)(view, batch)
     assert seen["loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+
+    # step 2 sampled from step 1's weights: q matches p there, and not p at the weights it started from
+    last = seen["last"]
+    mask, logq = last["inputs"]["completion_mask"].bool(), last["inputs"]["sampling_per_token_logps"]
+    synced, _ = rescore(trainer, last)
+    stale, _ = rescore(trainer, {**last, "state": seen["state"]})
+    gap_synced = float((synced["logp"] - logq)[mask].abs().max())
+    gap_stale = float((stale["logp"] - logq)[mask].abs().max())
+    assert gap_synced < 2e-2 and gap_stale > 5 * gap_synced, (gap_synced, gap_stale)

@@ -181,6 +181,23 @@ class DriftlessGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"head_k={config.head_k} exceeds the vLLM server's --max-logprobs {cap}")
         generation.logprobs = config.head_k
 
+    def _sync_engine_weights(self) -> None:
+        """Push the trainer's weights to the engine. TRL's colocated sync calls the engine model's ``load_weights``,
+        which works only while every layer still holds the parameter it was built with. vLLM's CPU backend replaces
+        each linear layer's weight with a packed copy once loaded (oneDNN or its small-GEMM kernel, chosen by the
+        CPU's instruction sets: on an AVX-512/AMX Xeon the second sync fails with "'Parameter' object has no
+        attribute 'weight_loader'"), so there the weights go through vLLM's in-place reload (``reload_weights``,
+        which restores each layer, loads and packs it again), as driftless's own vLLM sampler does."""
+        generation = self.vllm_generation
+        from vllm.platforms import current_platform
+
+        if generation.mode != "colocate" or not current_platform.is_cpu():
+            generation.sync_weights()
+            return
+        generation.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True})
+        generation.llm.reset_prefix_cache()
+
     def _generate_with_vllm(self, prompt_ids, num_generations):
         """TRL's vLLM generation, reading the sampled token's log q and the top-``head_k`` head from what the
         engine returns per token (the head plus the sampled token when it falls outside: sorted by rank, so the
@@ -189,7 +206,7 @@ class DriftlessGRPOTrainer(GRPOTrainer):
 
         if self.state.global_step != self._last_loaded_step:
             with profiling_context(self, "sync_weights"):
-                self.vllm_generation.sync_weights()
+                self._sync_engine_weights()
             self._last_loaded_step = self.state.global_step
         _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
             prompts=prompt_ids, images=None, num_generations=num_generations,
