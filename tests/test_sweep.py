@@ -373,8 +373,9 @@ def test_the_seed_table_lists_each_groups_final_reward_by_seed():
     assert _seed_table({"pg": [run(0, 0.1), run(0, 0.2)]}) == []  # pooled runs of one seed: no per-seed reading
 
 
-def fake_sweep(root, finals: dict[str, list[float]], start=0.3):
-    """A sweep's records without training: per variant, one run a seed whose held-out reward goes start → final."""
+def fake_sweep(root, finals: dict[str, list[float]], start=0.3, kl: dict[str, float] | None = None):
+    """A sweep's records without training: per variant, one run a seed whose held-out reward goes start → final
+    (and, for the variants in ``kl``, whose every step logs that KL(q‖p))."""
     trials = {}
     for variant, values in finals.items():
         for seed, final in enumerate(values):
@@ -383,7 +384,8 @@ def fake_sweep(root, finals: dict[str, list[float]], start=0.3):
             run = root / name
             run.mkdir(parents=True)
             (run / "initial_eval.json").write_text(json.dumps({"eval_reward": start}))
-            (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "eval_reward": y}) + "\n"
+            logged = {"kl_k3": kl[variant]} if kl and variant in kl else {}
+            (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "eval_reward": y, **logged}) + "\n"
                                                        for i, y in enumerate([start, (start + final) / 2, final])))
             (run / "done.json").write_text("{}")
     (root / "sweep.json").write_text(json.dumps({"reference": {}, "variants": {}, "grid": {"train.seed": [0, 1, 2]},
@@ -438,6 +440,16 @@ def test_report_pairs_compare_two_chosen_groups_seed_by_seed(tmp_path, capsys):
     assert "report --pairs: 'tis:pg' does not split into two groups" in capsys.readouterr().err
     assert main(["report", str(sweep), "--pairs", "pg"]) == 2
     assert "'pg' is not A:B" in capsys.readouterr().err
+
+
+def test_report_pairs_give_no_kl_ratio_over_a_run_without_mismatch(tmp_path, capsys):
+    sweep = fake_sweep(tmp_path / "s", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1], "tis": [0.5, 0.5, 0.5]},
+                       kl={"reference": 8e-14, "pg": 0.2, "tis": 0.05})
+    assert main(["report", str(sweep), "--by", "variant", "--pairs", "tis:pg", "tis:reference"]) == 0
+    rows = {line.split(" | ")[0][2:]: line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| tis − ")}
+    assert rows["tis − pg"].endswith("| 0.25, 0.25, 0.25 |")
+    assert rows["tis − reference"].endswith("| — |")  # not 6e11: the reference's KL is rounding
 
 
 def test_report_pairs_split_labels_that_hold_colons_themselves(tmp_path):

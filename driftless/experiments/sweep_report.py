@@ -359,13 +359,18 @@ def split_pair(text: str, groups, sweep_dir, by) -> tuple[str, str]:
                      f"{', '.join(by)}: {', '.join(groups)})")
 
 
+# A run without a mismatch logs KL(q‖p) at rounding level (fast execution: about 1e-13 a token); a ratio over it
+# says nothing, so a pair against such a run shows "—" in the KL column.
+NO_MISMATCH_KL = 1e-9
+
+
 def _pairs_table(groups: dict[str, list[dict]], pairs) -> list[str]:
     """``--pairs A:B``: per pair of groups, A − B seed by seed (same seeds, same initial model): final held-out
     reward and AUC with their Student-t intervals, and the ratio of the runs' mean KL(q‖p), A's over B's."""
     rows = []
     for a, b in pairs:
         final, auc = paired_deltas(groups[a], groups[b]), paired_deltas(groups[a], groups[b], "auc")
-        kl = [r["kl"] / other["kl"] for r, other in partners(groups[a], groups[b]) if other["kl"] > 0]
+        kl = [r["kl"] / other["kl"] for r, other in partners(groups[a], groups[b]) if other["kl"] > NO_MISMATCH_KL]
         fi, ai = paired_interval(final), paired_interval(auc)
         rows.append(f"| {a} − {b} | {_interval_cell(fi, len(final))} | {separation(fi) if final else '—'} | "
                     f"{_interval_cell(ai, len(auc))} | {separation(ai) if auc else '—'} | "
@@ -373,7 +378,8 @@ def _pairs_table(groups: dict[str, list[dict]], pairs) -> list[str]:
     if not rows:
         return []
     return ["", (f"Pairs asked for (`--pairs A:B`): A − B seed by seed, mean [{LEVEL:.0%} Student-t interval over "
-                 "the seeds] (pairs); the last column is each seed's mean KL(q‖p) of A's run over B's."),
+                 "the seeds] (pairs); the last column is each seed's mean KL(q‖p) of A's run over B's (— where B has no "
+                 "mismatch: its KL is rounding)."),
             "", "| pair | Δ final | separates | Δ AUC | separates | KL A / B per seed |", "|---|---|---|---|---|---|",
             *rows]
 
