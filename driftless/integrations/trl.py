@@ -185,7 +185,7 @@ class DriftlessGRPOTrainer(GRPOTrainer):
         """Push the trainer's weights to the engine. TRL's colocated sync calls the engine model's ``load_weights``,
         which works only while every layer still holds the parameter it was built with. vLLM's CPU backend replaces
         each linear layer's weight with a packed copy once loaded (oneDNN or its small-GEMM kernel, chosen by the
-        CPU's instruction sets: on an AVX-512/AMX Xeon the second sync fails with "'Parameter' object has no
+        CPU's instruction sets: on an AVX-512/AMX Xeon the first sync fails with "'Parameter' object has no
         attribute 'weight_loader'"), so there the weights go through vLLM's in-place reload (``reload_weights``,
         which restores each layer, loads and packs it again), as driftless's own vLLM sampler does."""
         generation = self.vllm_generation
