@@ -356,8 +356,8 @@ def run_experiment(exp: Experiment, run_dir, *, max_concurrent: int | None = Non
         if reused and progress:
             print(f"{len(reused)} trial(s) of {root.name} reuse a finished identical run")
     finished = [t for t in trials if (root / t.name / "done.json").exists()]
-    kept = [t.name for t in finished if len(finished) < len(trials)  # only when some trial trains here
-            and (rec := recorded_start(root / t.name)) is not None and rec != digest(exp.config(t))]
+    kept = [t.name for t in finished if (rec := recorded_start(root / t.name)) is not None
+            and rec != digest(exp.config(t))] if len(finished) < len(trials) else []  # only when some trial trains here
     if kept:
         print(f"{root.name}: {len(kept)} finished trial(s) started from other weights than this machine's ({', '.join(kept[:3])}"
               f"{', …' if len(kept) > 3 else ''}): the trials trained here pair with them across two starting "
