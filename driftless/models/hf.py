@@ -112,6 +112,26 @@ class HFPolicy(nn.Module):
         self._shape = tuple(tokens.shape)
         return self.model(input_ids=tokens.long(), use_cache=False).logits.float()
 
+    @property
+    def output_weight(self) -> torch.Tensor | None:
+        """The output layer's weight ``[V, D]`` when the logits are exactly ``last_hidden_state @ weight.T`` (no bias,
+        no logit scaling or soft-capping): the scorer then projects only the positions it needs, chunk by chunk
+        (``ops.linear_logprobs``), instead of ``[B, T, V]`` logits. None otherwise (the full forward is used)."""
+        head = self.model.get_output_embeddings()
+        config = self.model.config
+        if (not isinstance(head, nn.Linear) or head.bias is not None or getattr(config, "final_logit_softcapping", None)
+                or getattr(config, "logit_scale", None) not in (None, 1, 1.0) or head.weight.shape[0] < self.vocab_size
+                or not hasattr(self.model, self.model.base_model_prefix)):
+            return None
+        return head.weight
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[B, T, D]`` (after the last norm): ``forward`` without the output layer."""
+        self._check(tokens)
+        self._shape = tuple(tokens.shape)
+        base = getattr(self.model, self.model.base_model_prefix)
+        return base(input_ids=tokens.long(), use_cache=False).last_hidden_state
+
     def _cache_of(self, out):
         return getattr(out, "cache", None) if self._cache_kw == "cache" else out.past_key_values
 

@@ -151,3 +151,103 @@ def naive_logprobs(
     head = None if head_ids is None else logp_all.gather(-1, head_ids.long())
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return TokenLogprobs(logp=logp, head_logp=head, entropy=entropy)
+
+
+def default_head_rows(vocab: int) -> int:
+    """Rows per chunk of the fused head: about 2^24 fp32 logits (64 MB) at a time, whatever the vocabulary."""
+    return max(16, (1 << 24) // max(int(vocab), 1))
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``extract_logprobs(scale · hidden @ weight.T)`` without ever holding the ``[N, V]`` logits: each chunk of
+    rows is projected, reduced and dropped; the backward projects it again (the output-layer recompute of fused
+    linear-cross-entropy kernels, e.g. Liger's) and accumulates the hidden states' and the weight's gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, head_ids, scale, chunk_rows, mm_dtype):
+        n, k = hidden.shape[0], head_ids.shape[1]
+        w = weight.to(mm_dtype)
+        cdtype = torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(n, dtype=cdtype, device=hidden.device)
+        head = torch.empty(n, k, dtype=cdtype, device=hidden.device)
+        entropy = torch.empty(n, dtype=cdtype, device=hidden.device)
+        lse = torch.empty(n, dtype=cdtype, device=hidden.device)
+        for start in range(0, n, chunk_rows):
+            stop = min(start + chunk_rows, n)
+            x = (hidden[start:stop].to(mm_dtype) @ w.t()).to(cdtype) * scale
+            row_lse = torch.logsumexp(x, dim=-1)
+            logp_chunk = x - row_lse[:, None]
+            lse[start:stop] = row_lse
+            entropy[start:stop] = -(logp_chunk.exp() * logp_chunk).sum(-1)
+            logp[start:stop] = logp_chunk.gather(1, token_ids[start:stop, None]).squeeze(1)
+            if k:
+                head[start:stop] = logp_chunk.gather(1, head_ids[start:stop])
+        ctx.save_for_backward(hidden, weight, token_ids, head_ids, lse, entropy)
+        ctx.scale, ctx.chunk_rows, ctx.mm_dtype = scale, chunk_rows, mm_dtype
+        return logp, head, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_head, grad_entropy):
+        hidden, weight, token_ids, head_ids, lse, entropy = ctx.saved_tensors
+        n, k = hidden.shape[0], head_ids.shape[1]
+        cdtype = lse.dtype
+        zeros = torch.zeros(n, dtype=cdtype, device=hidden.device)
+        grad_logp = zeros if grad_logp is None else grad_logp.to(cdtype)
+        grad_entropy = zeros if grad_entropy is None else grad_entropy.to(cdtype)
+        grad_head = grad_head.to(cdtype) if k and grad_head is not None else None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        w = weight.to(ctx.mm_dtype)
+        for start in range(0, n, ctx.chunk_rows):
+            stop = min(start + ctx.chunk_rows, n)
+            h = hidden[start:stop].to(ctx.mm_dtype)
+            logp_chunk = (h @ w.t()).to(cdtype) * ctx.scale - lse[start:stop, None]
+            p = logp_chunk.exp()
+            g_sel = grad_logp[start:stop]
+            total = g_sel.clone()
+            if grad_head is not None:
+                total = total + grad_head[start:stop].sum(-1)
+            g_h = grad_entropy[start:stop]
+            g = -p * total[:, None] - g_h[:, None] * p * (logp_chunk + entropy[start:stop, None])
+            g.scatter_add_(1, token_ids[start:stop, None], g_sel[:, None])
+            if grad_head is not None:
+                g.scatter_add_(1, head_ids[start:stop], grad_head[start:stop])
+            g = (g * ctx.scale).to(ctx.mm_dtype)  # d/d(h W^T) of the scaled logits
+            if need_h:
+                grad_hidden[start:stop] = (g @ w).to(hidden.dtype)
+            if need_w:
+                grad_weight.add_((g.t() @ h).to(cdtype))
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                    head_ids: torch.Tensor | None = None, *, scale: float = 1.0,
+                    chunk_rows: int | None = None) -> TokenLogprobs:
+    """Selected-token log p, head log p and entropy of the logits ``scale · hidden @ weight.T``, computed chunk by
+    chunk: ``hidden [N, D]`` (the positions to score, e.g. a batch's response positions), ``weight [V, D]`` (the
+    output layer, a tied embedding included), ``token_ids [N]``, ``head_ids [N, k]``. Peak memory is
+    ``chunk_rows × V`` floats whatever N is; differentiable in ``hidden`` and ``weight``. Returns ``[N]`` tensors
+    (``head_logp`` ``[N, k]``)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    n, v = hidden.shape[0], weight.shape[0]
+    if tuple(token_ids.shape) != (n,):
+        raise ValueError(f"token_ids must have shape ({n},), got {tuple(token_ids.shape)}")
+    _check_ids("token_ids", token_ids, v)
+    if head_ids is None:
+        head_flat = torch.empty(n, 0, dtype=torch.int64, device=hidden.device)
+    else:
+        if head_ids.dim() != 2 or head_ids.shape[0] != n:
+            raise ValueError(f"head_ids must have shape [{n}, k], got {tuple(head_ids.shape)}")
+        _check_ids("head_ids", head_ids, v)
+        head_flat = head_ids.long()
+    rows = default_head_rows(v) if chunk_rows is None else int(chunk_rows)
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+    device = hidden.device.type  # under autocast (train.precision=bf16) the products run in its dtype, explicitly
+    mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    with torch.autocast(device_type=device, enabled=False):
+        logp, head, entropy = _LinearLogprobs.apply(hidden, weight, token_ids.long(), head_flat, float(scale), rows,
+                                                    mm_dtype)
+    return TokenLogprobs(logp=logp, head_logp=None if head_ids is None else head, entropy=entropy)

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from driftless.ops.logprobs import TokenLogprobs, extract_logprobs
+from driftless.ops.logprobs import TokenLogprobs, extract_logprobs, linear_logprobs
 from driftless.rollout.batch import RolloutBatch
 from driftless.rollout.sampling import SamplingParams, entropy_from_logprobs, is_aligned, sampling_logprobs
 
 ROUTINGS = ("recompute", "replay")
 
 
-def routed_forward(policy, batch: RolloutBatch, routing: str = "recompute"):
+def routed_forward(policy, batch: RolloutBatch, routing: str = "recompute", *, hidden: bool = False):
     """(logits ``[B, L-1, V]`` of ``policy`` over ``batch.tokens[:, :-1]``, the policy's own expert ids
-    ``[B, L, layers, k]`` at each input position, −1 at the last; None for a dense policy)."""
+    ``[B, L, layers, k]`` at each input position, −1 at the last; None for a dense policy). ``hidden``: the final
+    hidden states ``[B, L-1, D]`` (``policy.hidden_states``) instead of the logits."""
+    run = policy.hidden_states if hidden else policy
     if routing not in ROUTINGS:
         raise ValueError(f"train.routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     inputs = batch.tokens[:, :-1]
@@ -33,7 +35,7 @@ def routed_forward(policy, batch: RolloutBatch, routing: str = "recompute"):
     if shape is None:
         if routing == "replay":
             raise ValueError("train.routing=replay needs a mixture-of-experts policy (model.n_experts > 0)")
-        return policy(inputs), None
+        return run(inputs), None
     if routing == "replay":
         if batch.sampler_routes is None:
             raise ValueError("train.routing=replay: the batch has no sampler_routes (the rollout engine recorded "
@@ -46,7 +48,7 @@ def routed_forward(policy, batch: RolloutBatch, routing: str = "recompute"):
         policy.replay = batch.sampler_routes[:, :-1].to(inputs.device)
     policy.routes = []
     try:
-        logits = policy(inputs)
+        logits = run(inputs)
         own = torch.stack(policy.routes, 2)  # [B, L-1, layers, k]
     finally:
         policy.routes, policy.replay = None, None
@@ -61,7 +63,6 @@ def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
     if tokens.shape[1] < 2:
         raise ValueError("batch.tokens needs at least 2 positions to score a completion")
     transform = transform or batch.sampling
-    logits, routes = routed_forward(policy, batch, routing)  # [B, L-1, V]
     b = tokens.shape[0]
     head_ids = batch.sampler_topk_ids
     if head_ids is not None and head_k is not None:
@@ -69,6 +70,10 @@ def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
     body_head = None if head_ids is None else head_ids[:, 1:]
     plain = not transform.greedy and transform.top_k == 0 and transform.top_p == 1.0
     aligned = is_aligned(policy)
+    weight = getattr(policy, "output_weight", None)
+    if plain and not aligned and weight is not None:
+        return _score_actions(policy, weight, batch, transform, body_head, routing)
+    logits, routes = routed_forward(policy, batch, routing)  # [B, L-1, V]
     if plain and not aligned:
         # temperature only, and no bitwise promise to keep: the chunked, memory-bounded path
         scaled = logits if transform.temperature == 1.0 else logits / transform.temperature
@@ -85,3 +90,23 @@ def score_batch(policy, batch: RolloutBatch, *, head_k: int | None = None,
         head = torch.cat([head.new_zeros(b, 1, head.shape[-1]), head], dim=1)
     return TokenLogprobs(logp=torch.cat([zero, logp], 1), head_logp=head, entropy=torch.cat([zero, entropy], 1),
                          routes=routes)
+
+
+def _score_actions(policy, weight, batch: RolloutBatch, transform: SamplingParams, body_head, routing: str):
+    """The response positions only: the final hidden states of the whole sequence, then the output layer on the
+    positions whose next token is an action, chunk by chunk (``linear_logprobs``): no ``[B, L, V]`` logits, and the
+    vocabulary projection (49k-152k rows) skips the prompts. Positions that are not actions hold 0."""
+    hidden, routes = routed_forward(policy, batch, routing, hidden=True)  # [B, L-1, D]
+    where = batch.action_mask[:, 1:].to(hidden.device)
+    rows, cols = where.nonzero(as_tuple=True)
+    targets = batch.tokens[:, 1:].to(hidden.device)[rows, cols]
+    head = None if body_head is None else body_head.to(hidden.device)[rows, cols]
+    out = linear_logprobs(hidden[rows, cols], weight, targets, head, scale=1.0 / transform.temperature)
+    b, width = batch.tokens.shape
+    zeros = out.logp.new_zeros(b, width)
+    logp = zeros.index_put((rows, cols + 1), out.logp)
+    entropy = zeros.index_put((rows, cols + 1), out.entropy)
+    head_logp = None
+    if out.head_logp is not None:
+        head_logp = out.head_logp.new_zeros(b, width, out.head_logp.shape[-1]).index_put((rows, cols + 1), out.head_logp)
+    return TokenLogprobs(logp=logp, head_logp=head_logp, entropy=entropy, routes=routes)

@@ -16,4 +16,6 @@ class Snapshot:
 
     @classmethod
     def of(cls, model, version: int) -> Snapshot:
-        return cls({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
+        from driftless.models.io import clone_state
+
+        return cls(clone_state(model.state_dict()), version)  # tied weights stay one tensor

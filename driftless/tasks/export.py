@@ -45,6 +45,28 @@ def task_rows(task, split: str, *, draws: int = 20_000, seed: int = 0, limit: in
     return rows
 
 
+QUESTION = "What is {a} + {b}? Answer with the number only."
+
+
+def question_rows(split: str, *, min_operand: int = 1, max_operand: int = 20) -> list[dict]:
+    """Every sum ``a + b`` with a, b in [min_operand, max_operand] asked as a chat question (``QUESTION``), the
+    held-out split by the arithmetic task's own hash (about 1 in 10, disjoint from train), in (a, b) order:
+    ``{"prompt": [{"role": "user", "content": "What is 12 + 7? Answer with the number only."}], "answer": "19",
+    "completion": "19", "a": 12, "b": 7}``. What ``driftless export-task --task arithmetic-question`` writes for a
+    pretrained chat model (docs/real-model.md)."""
+    from driftless.tasks.arithmetic import Arithmetic
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(f"operands: need 0 <= min_operand <= max_operand, got {min_operand}, {max_operand}")
+    splitter = Arithmetic(max(max_operand, 1))
+    return [{"prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "answer": str(a + b),
+             "completion": str(a + b), "a": a, "b": b}
+            for a in range(min_operand, max_operand + 1) for b in range(min_operand, max_operand + 1)
+            if splitter.split_of(a, b) == split]
+
+
 def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -172,9 +172,9 @@ def policy(config: RunConfig, state: dict | str | Path, tok=None):
     """A policy of ``config.model`` holding ``state`` (a state dict or a safetensors file)."""
     tok = tok or tokenizer(config)
     if isinstance(state, (str, Path)):
-        from safetensors.torch import load_file
+        from driftless.models.io import load_weights
 
-        state = load_file(str(state))
+        state = load_weights(state)
     if config.model.kind == "hf":
         made = _hf_policy(config, tok)
     else:

@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from driftless.models.io import load_weights, save_weights
 
 
 class DamagedCheckpoint(ValueError):
@@ -71,14 +71,14 @@ def save_checkpoint(run_dir: Path, step: int, *, model: dict, sampler: dict, opt
     if not primary:
         ranks.barrier()  # rank 0 has renamed the checkpoint into place
         return root / name
-    save_file({k: v.detach().contiguous() for k, v in model.items()}, str(tmp / "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in sampler.items()}, str(tmp / "sampler.safetensors"))
+    save_weights(model, tmp / "model.safetensors")  # tied embeddings: written once, re-tied on load
+    save_weights(sampler, tmp / "sampler.safetensors")
     if sharded is None:
         torch.save(optimizer, tmp / "optim.pt")
     for i, snap in (snapshots or {}).items():
-        save_file({k: v.contiguous() for k, v in snap.items()}, str(tmp / f"snapshot_{i:06d}.safetensors"))
+        save_weights(snap, tmp / f"snapshot_{i:06d}.safetensors")
     for v, weights in (versions or {}).items():
-        save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp / f"version_{v:06d}.safetensors"))
+        save_weights(weights, tmp / f"version_{v:06d}.safetensors")
     files = {f.relative_to(tmp).as_posix(): _sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
     (tmp / "state.json").write_text(json.dumps({"step": step, **state, "files": files}))
     final = root / name
@@ -148,13 +148,13 @@ def load_checkpoint(path: Path, *, weights_only: bool = False, verified: dict | 
     checkpoint raises DamagedCheckpoint naming the file."""
     path = Path(path)
     out = {"state": verified if verified is not None else verify(path),
-           "model": load_file(str(path / "model.safetensors"))}
+           "model": load_weights(path / "model.safetensors")}
     if not weights_only:
-        out["sampler"] = load_file(str(path / "sampler.safetensors"))
+        out["sampler"] = load_weights(path / "sampler.safetensors")
         out["dcp"] = path / "dcp" if (path / "dcp").is_dir() else None  # model + optimizer of several ranks
         out["optimizer"] = None if out["dcp"] else torch.load(path / "optim.pt", weights_only=True)
-        out["snapshots"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("snapshot_*.safetensors"))}
-        out["versions"] = {int(f.stem.split("_")[1]): load_file(str(f)) for f in sorted(path.glob("version_*.safetensors"))}
+        out["snapshots"] = {int(f.stem.split("_")[1]): load_weights(f) for f in sorted(path.glob("snapshot_*.safetensors"))}
+        out["versions"] = {int(f.stem.split("_")[1]): load_weights(f) for f in sorted(path.glob("version_*.safetensors"))}
     return out
 
 

@@ -25,6 +25,7 @@ import time
 import torch
 
 from driftless.diagnostics.evidence import age_diagnostics, eq1_decomposition, head_diagnostics, routing_diagnostics
+from driftless.models.io import clone_state
 from driftless.objectives.reductions import Totals
 from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
@@ -190,7 +191,7 @@ class Learner:
         """Keep the current weights under their version (the newest ``keep_versions``)."""
         if not self.decomposition or not self.keep_versions or self.version in self.versions:
             return
-        self.versions[self.version] = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        self.versions[self.version] = clone_state(self.policy.state_dict())
         for old in sorted(self.versions)[:-self.keep_versions]:
             del self.versions[old]
 

@@ -26,8 +26,8 @@ import tempfile
 import time
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from driftless.models.io import load_weights, save_weights
 from driftless.rollout import Snapshot
 from driftless.train import build
 from driftless.train.sources import WAIT_S, Delivery, Dispatch
@@ -50,7 +50,7 @@ def _weights_path(folder: str, version: int) -> str:
 
 
 def _read_weights(folder: str, version: int) -> Snapshot:
-    return Snapshot(load_file(_weights_path(folder, version)), version)
+    return Snapshot(load_weights(_weights_path(folder, version)), version)
 
 
 def _newest(folder: str, held: int | None) -> Snapshot | None:
@@ -111,8 +111,7 @@ class ProcessSource:
     def _write_weights(self) -> None:
         snapshot = self.learner.publish()
         path = _weights_path(self.folder, snapshot.version)
-        save_file({k: v.contiguous() for k, v in snapshot.state.items()}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        save_weights(snapshot.state, path)  # atomic; tied weights written once
         with open(os.path.join(self.folder, "latest.tmp"), "w") as f:
             f.write(str(snapshot.version))
         os.replace(os.path.join(self.folder, "latest.tmp"), os.path.join(self.folder, "latest"))
