@@ -204,6 +204,36 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--no-progress", action="store_true")
     mm.set_defaults(func=_make_model)
 
+    au = sub.add_parser("audit", help="where sampler-trainer disagreement comes from: audit records or a live engine",
+                        description="Checks that name the cause of a sampler-trainer disagreement (docs/audit.md). "
+                                    "Exit status 0 when every check passes, 1 otherwise.")
+    au_sub = au.add_subparsers(dest="audit_command", required=True, metavar="WHAT")
+    for name, text in (("records", "audit what an engine recorded (JSONL, one response a line)"),
+                       ("engine", "sample with an engine, audit the records, and the live checks")):
+        x = au_sub.add_parser(name, help=text)
+        x.add_argument("--model", required=True, help="a transformers checkpoint directory or a TinyLM .safetensors")
+        if name == "records":
+            x.add_argument("--records", required=True, help="JSONL: prompt_ids, response_ids, response_logprobs, ...")
+            x.add_argument("--also-model", help="other weights the records may come from (the weights check names "
+                                                "which they fit)")
+        else:
+            x.add_argument("--prompts", required=True, help="JSONL: prompt_ids, or prompt (a string or chat messages, "
+                                                            "rendered with the checkpoint's template)")
+            x.add_argument("--engine", choices=("builtin", "hf", "vllm"), default="builtin")
+            x.add_argument("--max-new-tokens", type=int, default=16)
+            x.add_argument("--seed", type=int, default=0)
+            x.add_argument("--batch-tolerance", type=float, default=1e-3)
+            x.add_argument("--write-records", help="also write the sampled records here (JSONL)")
+        x.add_argument("--temperature", type=float, default=None, help="default: each line's, else 1")
+        x.add_argument("--top-k", type=int, default=None)
+        x.add_argument("--top-p", type=float, default=None)
+        x.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default=None,
+                       help="what the engine declares it records (vLLM's names; default: each line's, else processed)")
+        x.add_argument("--max-kl", type=float, default=1e-3, help="numerics: the mean KL(q‖p) per token tolerated")
+        x.add_argument("--report", help="write audit.json, audit.md and a plot here")
+        x.add_argument("--json", action="store_true", help="print the audit as JSON")
+        x.set_defaults(func=_audit)
+
     ig = sub.add_parser("import-gguf", help="a GGUF file (or the one a pip package ships) as a transformers checkpoint dir",
                         description="Dequantize a GGUF file into a standard checkpoint directory (safetensors, "
                                     "config.json without the quantization block, tokenizer and chat template, "
@@ -496,6 +526,65 @@ def _make_model(args) -> int:
     print(f"checkpoint in {args.dir}: held-out greedy reward {info['eval_reward']:.3f}, {info['parameters']:,} "
           f"parameters, vocabulary {info['vocab_size']}, built in {info['seconds']:.0f} s")
     return 0
+
+
+def _audit(args) -> int:
+    from driftless import audit
+
+    settings = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
+                                  ("logprobs_mode", args.logprobs_mode)) if v is not None}
+    if args.audit_command == "records":
+        records = audit.read_records(args.records, settings)
+        result = audit.audit_records(args.model, records, also_model=args.also_model, max_kl=args.max_kl)
+    else:
+        from driftless.rollout import SamplingParams
+
+        prompts, eos, pad = _audit_prompts(args.prompts, args.model)
+        params = SamplingParams(temperature=settings.get("temperature", 1.0), top_k=settings.get("top_k", 0),
+                                top_p=settings.get("top_p", 1.0))
+        model_dir = args.model if Path(args.model).is_dir() else None
+        result, records = audit.audit_engine(args.model, prompts, engine=args.engine, params=params,
+                                             max_new_tokens=args.max_new_tokens, seed=args.seed, eos_ids=eos,
+                                             pad_id=pad, model_dir=model_dir, batch_tolerance=args.batch_tolerance,
+                                             max_kl=args.max_kl)
+        if args.write_records:
+            audit.write_records(records, args.write_records)
+    if args.report:
+        audit.write_report(result, args.report)
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        mark = {True: "passed", False: "FAILED", None: "not judged"}
+        for c in result["checks"]:
+            print(f"{c['name']:<20} {mark[c['passed']]:<11} {c['what']}")
+        if args.report:
+            print(f"report: {Path(args.report) / 'audit.md'}")
+    return 0 if result["passed"] else 1
+
+
+def _audit_prompts(path, model) -> tuple[list[list[int]], tuple[int, ...], int]:
+    """(prompt ids, end ids, pad id) from a JSONL of ``prompt_ids`` or ``prompt`` rows (the latter through the
+    checkpoint's own tokenizer and chat template)."""
+    tok = None
+    if Path(model).is_dir():
+        from driftless.models.hf_tokenizer import HFTokenizer
+
+        tok = HFTokenizer(model)
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "prompt_ids" in row:
+            out.append([int(t) for t in row["prompt_ids"]])
+        elif "prompt" in row and tok is not None:
+            text = row["prompt"] if isinstance(row["prompt"], str) else tok.render_chat(row["prompt"])
+            out.append(tok.encode(text, bos=isinstance(row["prompt"], str)))
+        else:
+            raise ValueError(f"{path} line {n}: needs 'prompt_ids' (or 'prompt' with a checkpoint directory)")
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out, (tok.eos_ids if tok else ()), (tok.pad_id if tok else 0)
 
 
 def _import_gguf(args) -> int:

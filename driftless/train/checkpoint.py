@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from driftless.models.io import load_weights, save_weights
 
 
