@@ -61,6 +61,7 @@ class HFPolicy(nn.Module):
         self._max_seq_len = max_seq_len or context  # sequences are capped here (model.max_seq_len)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps = "logits_to_keep" in params  # transformers >= 4.50: logits at chosen positions only
         self.routes: list | None = None  # when a list, each MoE router's own top-k ids [B, T, k] are appended
         self.replay: torch.Tensor | None = None  # [B, T, layers, k] expert ids to use instead (R3; −1: its own)
         self._routers = self._hook_routers()
@@ -147,6 +148,24 @@ class HFPolicy(nn.Module):
         out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True)
         cache.past, cache.mask = self._cache_of(out), mask
         return out.logits.float()
+
+    def prefill_last(self, tokens, lengths, cache: HFCache):
+        """``prefill``'s logits at each row's last prompt position only, ``[B, V]``: the output layer runs on the
+        distinct last positions (transformers' ``logits_to_keep``), not on ``[B, T, V]`` (1.3 GB for 128 prompts
+        of 52 tokens at a 49k vocabulary)."""
+        if not self._keeps:
+            return self.prefill(tokens, lengths, cache)[torch.arange(tokens.shape[0]), lengths - 1]
+        self._check(tokens)
+        t = tokens.shape[1]
+        mask = (torch.arange(t, device=tokens.device)[None, :] < lengths[:, None]).long()
+        positions = torch.arange(t, device=tokens.device)[None, :].expand(tokens.shape[0], t)
+        self._shape = tuple(tokens.shape)
+        keep = torch.unique(lengths - 1)  # sorted
+        out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=keep)
+        cache.past, cache.mask = self._cache_of(out), mask
+        column = torch.searchsorted(keep, lengths - 1)
+        return out.logits[torch.arange(tokens.shape[0], device=tokens.device), column].float()
 
     def decode(self, tokens, positions, cache: HFCache):
         cache.mask = torch.cat([cache.mask, torch.ones(cache.mask.shape[0], 1, dtype=torch.long,

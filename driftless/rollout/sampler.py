@@ -148,8 +148,11 @@ class Sampler(EndIds):
         cache = policy.new_cache(b)
         span = torch.arange(int(plen.max()))[None, :].expand(b, -1)
         with routes.forward(span, span < plen[:, None]):
-            prefill = policy.prefill(tokens[:, : int(plen.max())].to(device), plen.to(device), cache).cpu()  # [B, T, V]
-        last = prefill[torch.arange(b), plen - 1]  # [B, V]
+            prompt = tokens[:, : int(plen.max())].to(device)
+            if hasattr(policy, "prefill_last"):  # the last prompt position's logits only (a large vocabulary)
+                last = policy.prefill_last(prompt, plen.to(device), cache).cpu()  # [B, V]
+            else:
+                last = policy.prefill(prompt, plen.to(device), cache).cpu()[torch.arange(b), plen - 1]  # [B, V]
         last_version = self.version  # the weights that computed `last`
         kv_oldest = torch.full((b,), self.version, dtype=torch.long)  # oldest version in each row's cache
         pos = plen.clone()  # where each row's next token goes
