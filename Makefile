@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-verify hf real test-real study study-paper study-drift study-moe study-quick test test-slow test-torchrun test-compiled test-vllm lint bench clean
+.PHONY: install demo demo-verify hf real test-real study-real study study-paper study-drift study-moe study-quick test test-slow test-torchrun test-compiled test-vllm lint bench clean
 
 # vLLM (docs/vllm.md) lives in its own environment: a 3.5 GB install the main one does without.
 VLLM_VENV := .venv-vllm
@@ -69,6 +69,11 @@ study-drift: $(STAMP)
 # 2 cores, outside make study; resumable
 study-moe: $(STAMP)
 	$(VENV)/bin/driftless study --only moe-sgd
+
+# the headline comparison on SmolLM2-135M-Instruct (docs/RESULTS.md §11): 15 runs of 30 steps, about 25 minutes
+# each two at a time on 2 cores; outside make study; resumable
+study-real: real
+	$(VENV)/bin/driftless study --only real-smollm2
 
 study-quick: $(STAMP)
 	$(VENV)/bin/driftless study --quick

@@ -116,8 +116,8 @@ CLAIMS += (
 CLAIMS += (
     Claim("real-smollm2", ("variant",),
           "the headline comparison on a real pretrained model: SmolLM2-135M-Instruct (134.5M parameters, 49,152 "
-          "tokens) under an FP8 sampler (w:fp8_e4m3:row), reference / pg / tis / sc (top-32) / sc+tis, SGD 0.05 "
-          "constant, 3 seeds (needs `make real`)", extra=True, real=True),
+          "tokens) under a 4-bit sampler (w:int4:g32), reference / pg / tis / sc (top-32) / sc+tis, SGD 0.05 "
+          "constant, 30 steps, 3 seeds (needs `make real`)", extra=True, real=True),
 )
 QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
 
