@@ -44,7 +44,8 @@ def train(run_dir: Path, *extra: str, resume: bool = False) -> int:
     """`driftless train configs/smollm2.yaml` in a process of its own; returns the largest peak RSS (kB) of the
     processes this test session has run so far (getrusage's children maximum)."""
     cmd = [sys.executable, "-m", "driftless", "train", "configs/smollm2.yaml", f"model.hf_path={MODEL}",
-           "objective.name=sc+tis", "objective.params={top_k: 32}", "mismatch.view=w:int4", "train.steps=2",
+           "objective.name=sc+tis", "objective.params={top_k: 32}", "mismatch.view=w:int4:g32", "train.steps=2",
+           "task.reward=tests/real_reward.py:with_length",
            "train.eval_every=2", "train.eval_problems=8", "train.eval_samples=1", "train.checkpoint_every=1",
            *extra, "--run-dir", str(run_dir), "--no-progress"] + (["--resume"] if resume else [])
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
@@ -62,7 +63,7 @@ def test_two_steps_of_sc_tis_under_int4_a_checkpoint_and_a_resume(tmp_path):
     whole = lines(tmp_path / "a")
     assert [r["step"] for r in whole] == [0, 1] and whole[-1]["version"] == 2
     assert whole[0]["kl_k3"] > 0 and 0 < whole[0]["sampler_head_mass"] < 1  # int4 disagrees; k=32 of 49,152
-    assert whole[-1]["grad_norm"] > 0
+    assert all(r["grad_norm"] > 0 for r in whole)
     samples = [json.loads(x) for x in (tmp_path / "a/samples.jsonl").read_text().splitlines()]
     assert samples and all(s["prompt"].startswith(SYSTEM + "<|im_start|>user\nWhat is ") for s in samples)
     assert all(s["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n") for s in samples)
@@ -80,3 +81,39 @@ def test_two_steps_of_sc_tis_under_int4_a_checkpoint_and_a_resume(tmp_path):
     resumed = lines(tmp_path / "b")
     assert [r["step"] for r in resumed] == [0, 1]
     assert resumed[1] == whole[1]
+
+
+def test_one_step_of_driftless_grpo_trainer_in_trl_on_the_real_checkpoint(tmp_path):
+    """TRL's trainer with driftless's sc+tis and the sampler's top-32 head: it trains the real, tied checkpoint (the
+    imported config has no quantization block, so TRL accepts it) and the metrics arrive under driftless/."""
+    pytest.importorskip("trl")
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from driftless.integrations.trl import DriftlessGRPOConfig, DriftlessGRPOTrainer
+
+    sys.path.insert(0, str(Path("examples").resolve()))
+    from arithmetic_reward import final_number
+
+    rows = [json.loads(x) for x in (DATA / "train.jsonl").read_text().splitlines()[:8]]
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def reward(prompts, completions, answer, **_):
+        return final_number(prompts, [c[0]["content"] if isinstance(c, list) else c for c in completions], answer)
+
+    args = DriftlessGRPOConfig(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        max_steps=1, logging_steps=1, save_strategy="no", learning_rate=1e-5, seed=0, dataloader_num_workers=0,
+        objective="sc+tis", objective_params={"top_k": 32}, head_k=32)
+    trainer = DriftlessGRPOTrainer(model=str(MODEL), reward_funcs=reward, args=args, train_dataset=data,
+                                   processing_class=AutoTokenizer.from_pretrained(MODEL, local_files_only=True))
+    model = trainer.model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    before = model.get_input_embeddings().weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(before, model.get_input_embeddings().weight)  # it trained the tied matrix
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    logged = [e for e in trainer.state.log_history if "driftless/sampler_head_mass" in e]
+    assert logged and 0.5 < logged[0]["driftless/sampler_head_mass"] < 1  # top-32 of 49,152 tokens
