@@ -23,9 +23,10 @@ pytestmark = pytest.mark.real
 MODEL = Path(os.environ.get("DRIFTLESS_REAL_MODEL", "runs/models/smollm2-135m-instruct"))
 DATA = Path("runs/data/arithmetic-question")
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-# measured with `make test-real` on a 2-core AMD EPYC: 3.2 GB for this 8 x 4 step at micro_batch_tokens=768
-# (docs/real-model.md); the bound leaves room for other CPUs' allocators
-PEAK_RSS_BOUND_GB = 4.5
+# bench/real_model.py on a 2-core AMD EPYC: 4.42 GB for 8 x 4 and 4.51 GB for 16 x 8 at micro_batch_tokens=768
+# (docs/real-model.md; 8.4 GB for 8 x 4 before the output layer ran on response positions only); the bound leaves
+# room for other CPUs' allocators and thread counts
+PEAK_RSS_BOUND_GB = 5.5
 TIMING = ("tokens_per_s", "step_time", "rollout_s", "score_s", "loss_s", "optim_s", "eval_s", "wall_time")
 
 
