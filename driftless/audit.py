@@ -352,7 +352,7 @@ class IgnoresUpdates:
             self.loaded = True
 
 
-def make_engine(kind: str, policy, *, eos_ids=(), pad_id: int = 0, model_dir=None):
+def make_engine(kind: str, policy, *, eos_ids=(), pad_id: int = 0, model_dir=None, engine_kwargs: dict | None = None):
     """The engine to audit: ``builtin`` (driftless's Sampler), ``hf`` (transformers ``generate``), ``vllm``."""
     eos = tuple(eos_ids) or None
     if kind == "builtin":
@@ -365,7 +365,7 @@ def make_engine(kind: str, policy, *, eos_ids=(), pad_id: int = 0, model_dir=Non
         from driftless.rollout.vllm import VLLMSampler
 
         return VLLMSampler(copy.deepcopy(policy), head_k=0, eos_id=eos, pad_id=pad_id, model_dir=model_dir,
-                           tokenizer=model_dir is not None)
+                           tokenizer=model_dir is not None, engine_kwargs=engine_kwargs)
     raise ValueError(f"audit engine: --engine must be builtin, hf or vllm, got {kind!r}")
 
 
@@ -432,12 +432,13 @@ def batch_invariance(policy, records: list[Record], sizes=(1, 3, 8)) -> dict:
 
 def audit_engine(model, prompts: list[list[int]], *, engine: str = "builtin", params: SamplingParams | None = None,
                  max_new_tokens: int = 16, seed: int = 0, eos_ids=(), pad_id: int = 0, model_dir=None,
-                 wrap=None, batch_tolerance: float = 1e-3, max_kl: float = 1e-3) -> tuple[dict, list[Record]]:
+                 wrap=None, batch_tolerance: float = 1e-3, max_kl: float = 1e-3,
+                 engine_kwargs: dict | None = None) -> tuple[dict, list[Record]]:
     """Sample ``prompts`` with the engine, audit the records, then the live checks. ``wrap``: a function applied
     to the engine (tests plant faults with it). Returns (the audit, the records)."""
     policy = load_policy(model)
     params = params or SamplingParams()
-    eng = make_engine(engine, policy, eos_ids=eos_ids, pad_id=pad_id, model_dir=model_dir)
+    eng = make_engine(engine, policy, eos_ids=eos_ids, pad_id=pad_id, model_dir=model_dir, engine_kwargs=engine_kwargs)
     if wrap is not None:
         eng = wrap(eng)
     state = policy.state_dict()

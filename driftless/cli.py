@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             x.add_argument("--max-new-tokens", type=int, default=16)
             x.add_argument("--seed", type=int, default=0)
             x.add_argument("--batch-tolerance", type=float, default=1e-3)
+            x.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default=None,
+                           help="with --engine vllm: the engine's precision (default: the sampler's float32)")
             x.add_argument("--write-records", help="also write the sampled records here (JSONL)")
         x.add_argument("--temperature", type=float, default=None, help="default: each line's, else 1")
         x.add_argument("--top-k", type=int, default=None)
@@ -546,7 +548,8 @@ def _audit(args) -> int:
         result, records = audit.audit_engine(args.model, prompts, engine=args.engine, params=params,
                                              max_new_tokens=args.max_new_tokens, seed=args.seed, eos_ids=eos,
                                              pad_id=pad, model_dir=model_dir, batch_tolerance=args.batch_tolerance,
-                                             max_kl=args.max_kl)
+                                             max_kl=args.max_kl,
+                                             engine_kwargs={"dtype": args.vllm_dtype} if args.vllm_dtype else None)
         if args.write_records:
             audit.write_records(records, args.write_records)
     if args.report:
