@@ -18,5 +18,6 @@ def final_number(prompts, completions, answer, **columns) -> list[float]:
     out = []
     for completion, expected in zip(completions, answer):
         found = NUMBER.findall(completion.replace(",", ""))
-        out.append(1.0 if found and int(found[-1]) == int(expected) else 0.0)
+        out.append(1.0 if found and found[-1].lstrip("-").lstrip("0") == str(expected).strip().lstrip("-").lstrip("0")
+                   and found[-1].startswith("-") == str(expected).strip().startswith("-") else 0.0)
     return out
