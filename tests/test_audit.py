@@ -154,3 +154,17 @@ def test_the_command_line_reads_a_file_writes_the_report_and_exits_by_verdict(mo
         (tmp_path / "m2.jsonl").write_text(json.dumps({**wrong[0], "logprobs_mode": "logits"}) + "\n")
         read_records(tmp_path / "m2.jsonl")
     write_report(saved, tmp_path / "again")
+
+
+def test_transformers_generate_as_the_engine_records_processed_log_probabilities(prompts):
+    pytest.importorskip("transformers")
+    from driftless.models.hf import HFPolicy, tiny_qwen3_config
+
+    cfg = tiny_qwen3_config()
+    cfg.initializer_range = 0.1  # peaked, so that the conventions differ
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)
+    result, records = audit_engine(policy, prompts[:6], engine="hf", params=PARAMS, max_new_tokens=8)
+    assert failed(result) == set(), result["checks"]
+    assert result["explanation"] == {"convention": "processed", "token": "sampled"}
+    assert all(r.logprobs_mode == "processed_logprobs" and len(r.response_ids) == 8 for r in records)
