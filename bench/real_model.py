@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--model", default=os.environ.get("DRIFTLESS_REAL_MODEL", "runs/models/smollm2-135m-instruct"))
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
-    result = {"bench": "real_model", "cpu": cpu_name(), "threads": int(os.environ.get("OMP_NUM_THREADS", 0)) or
+    result = {"bench": "real_model", "cpu": cpu_name(), "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or
               os.cpu_count(), "steps": args.steps,
               "runs": [one(b, args.steps, args.micro_batch_tokens, args.model) for b in args.batches],
               "driver_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
