@@ -404,3 +404,18 @@ def test_engine_routes_land_at_the_positions_the_trainer_reads():
         engine_routes([output(first), output(second[:2])], length, MoE())
     with pytest.raises(RuntimeError, match="for row 0"):
         engine_routes([output(None), output(second)], length, MoE())
+
+
+def test_the_audit_passes_vllm_with_prefix_caching_across_a_weight_reload():
+    """`driftless audit engine --engine vllm`: the project's in-place reload, with vLLM's prefix cache on, delivers the
+    published weights (weight-sync passes: a cache built under the old weights is not reused); every record check
+    passes on the engine's processed log-probabilities."""
+    from driftless.audit import audit_engine
+
+    params = SamplingParams(temperature=0.8, top_k=20)
+    result, records = audit_engine(peaked(0), PROMPTS, engine="vllm", params=params, max_new_tokens=6,
+                                   eos_ids=(EOS,), engine_kwargs={"enable_prefix_caching": True})
+    verdicts = {c["name"]: c["passed"] for c in result["checks"]}
+    assert verdicts == {"sampled-token": True, "sampling-transform": True, "weights": True, "numerics": True,
+                        "batch-invariance": None, "weight-sync": True, "routes": None}, result["checks"]
+    assert result["explanation"] == {"convention": "processed", "token": "sampled"} and records
