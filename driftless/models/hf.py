@@ -120,6 +120,8 @@ class HFPolicy(nn.Module):
         (``ops.linear_logprobs``), instead of ``[B, T, V]`` logits. None otherwise (the full forward is used)."""
         head = self.model.get_output_embeddings()
         config = self.model.config
+        if hasattr(getattr(head, "weight", None), "full_tensor"):  # FSDP2-sharded (a DTensor): gathered only inside
+            return None                                               # the wrapped forward, so the full forward runs
         if (not isinstance(head, nn.Linear) or head.bias is not None or getattr(config, "final_logit_softcapping", None)
                 or getattr(config, "logit_scale", None) not in (None, 1, 1.0) or head.weight.shape[0] < self.vocab_size
                 or not hasattr(self.model, self.model.base_model_prefix)):
