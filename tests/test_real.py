@@ -118,3 +118,16 @@ def test_one_step_of_driftless_grpo_trainer_in_trl_on_the_real_checkpoint(tmp_pa
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     logged = [e for e in trainer.state.log_history if "driftless/sampler_head_mass" in e]
     assert logged and 0.5 < logged[0]["driftless/sampler_head_mass"] < 1  # top-32 of 49,152 tokens
+
+
+def test_the_real_study_experiment_loads_against_the_imported_checkpoint():
+    from driftless.experiments.study import CLAIMS, STUDY_DIR
+    from driftless.experiments.sweep import load_experiment
+
+    for claim in [c for c in CLAIMS if c.real]:
+        exp = load_experiment(STUDY_DIR / f"{claim.name}.yaml")  # checks every trial against the checkpoint
+        cfg = exp.config(exp.trials()[0])
+        assert cfg.model.kind == "hf" and Path(cfg.model.hf_path) == MODEL
+        # what test_sweep's test_every_study_experiment_loads asks of every other claim
+        assert len(exp.grid["train.seed"]) >= 3 and exp.reference is not None
+        assert set(claim.by) <= {"variant", *exp.grid}
