@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--workers", type=int, default=None, help="runs trained at once (default: min(2, CPUs))")
     d.add_argument("--seeds", type=int, default=1,
                    help="RL seeds per method (the warm start is shared); the demo's check used 3 (docs/calibration.md)")
+    d.add_argument("--first-seed", type=int, default=0,
+                   help="RL seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1 (calibration on seeds a record does not show)")
     d.add_argument("--run-dir", default=None, help="default: runs/demo (runs/demo-check with --warm-start-seeds)")
     d.add_argument("--warm-start-seeds", type=int, default=None,
                    help="the demo's check: every method over this many warm starts × --seeds RL seeds (resumable; "
@@ -491,11 +493,11 @@ def _demo(args) -> int:
         from driftless.experiments.demo import run_demo_check
 
         report = run_demo_check(args.run_dir or "runs/demo-check", warm_start_seeds=args.warm_start_seeds,
-                                methods=args.methods, seeds=args.seeds, config_path=args.config,
-                                overrides=args.overrides, progress=not args.no_progress, workers=args.workers)
+                                methods=args.methods, seeds=args.seeds, first_seed=args.first_seed,
+                                config_path=args.config, overrides=args.overrides, progress=not args.no_progress, workers=args.workers)
     else:
         report = run_demo(args.run_dir or "runs/demo", methods=args.methods, seeds=args.seeds,
-                          config_path=args.config, overrides=args.overrides, progress=not args.no_progress,
+                          first_seed=args.first_seed, config_path=args.config, overrides=args.overrides, progress=not args.no_progress,
                           workers=args.workers)
     print(report.read_text())
     if args.expect:

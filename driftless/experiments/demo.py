@@ -43,15 +43,16 @@ def method_overrides(method: str) -> list[str]:
     return [f"objective.name={method}"]
 
 
-def run_demo(run_dir="runs/demo", *, methods=METHODS, seeds: int = 1, config_path=None, overrides=(),
-             progress=True, workers: int | None = None) -> Path:
-    """Every method × ``seeds`` RL seeds from one warm start; ``RUN_DIR/{method}/seed{s}``; the comparison."""
-    return run_demo_check(run_dir, warm_start_seeds=None, methods=methods, seeds=seeds, config_path=config_path,
-                          overrides=overrides, progress=progress, workers=workers)
+def run_demo(run_dir="runs/demo", *, methods=METHODS, seeds: int = 1, first_seed: int = 0, config_path=None,
+             overrides=(), progress=True, workers: int | None = None) -> Path:
+    """Every method × ``seeds`` RL seeds (``first_seed`` onward) from one warm start; ``RUN_DIR/{method}/seed{s}``;
+    the comparison."""
+    return run_demo_check(run_dir, warm_start_seeds=None, methods=methods, seeds=seeds, first_seed=first_seed,
+                          config_path=config_path, overrides=overrides, progress=progress, workers=workers)
 
 
 def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int | None = 3, methods=METHODS, seeds: int = 3,
-                   config_path=None, overrides=(), progress=True, workers: int | None = None) -> Path:
+                   first_seed: int = 0, config_path=None, overrides=(), progress=True, workers: int | None = None) -> Path:
     """The demo over ``warm_start_seeds`` warm starts × ``seeds`` RL seeds (a warm start stands in for
     another machine: fast execution lands elsewhere there); ``None``: the demo's own warm start.
 
@@ -60,6 +61,8 @@ def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int | None = 
     finished run is kept, an interrupted one resumes."""
     if seeds < 1 or (warm_start_seeds is not None and warm_start_seeds < 1):
         raise ValueError(f"seeds and warm_start_seeds must be >= 1, got {seeds} and {warm_start_seeds}")
+    if first_seed < 0:
+        raise ValueError(f"first_seed must be >= 0, got {first_seed}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     run_dir = Path(run_dir)
@@ -69,7 +72,7 @@ def run_demo_check(run_dir="runs/demo-check", *, warm_start_seeds: int | None = 
     jobs, runs, pairs = {}, {m: [] for m in methods}, []
     for w in starts:
         ws = [] if w is None else [f"warm_start.seed={w}"]
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             pairs.append((w, seed))
             for m in methods:
                 path = run_dir / ("" if w is None else f"ws{w}") / m / f"seed{seed}"
