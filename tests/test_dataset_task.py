@@ -314,3 +314,27 @@ def test_builtin_task_rewards_stay_float32():
     problems = task.eval_set(3)
     total, parts = score_completions(task, problems, [p.completion for p in problems])
     assert total.dtype == torch.float32 and total.tolist() == [1.0, 1.0, 1.0] and parts == {}
+
+
+@pytest.mark.parametrize("runtime", ["sync", "thread"])
+def test_a_run_reads_the_users_file_once_and_builds_one_tokenizer_and_learner(tmp_path, monkeypatch, runtime):
+    """The run builds its parts once (build.Parts) and owns its learner; the source builds neither again."""
+    from driftless.train import build
+    from driftless.train import sources as sources_module
+
+    counts = {"task": 0, "tokenizer": 0, "learner": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return call
+    for name in counts:
+        monkeypatch.setattr(build, name, counted(name, getattr(build, name)))
+    cfg = data_config(tmp_path, f"rollout.runtime={runtime}", "task.reward=exact", "train.steps=1")
+    run = Run(cfg, tmp_path / "run")
+    run.run()
+    # the thread runtime's worker samples on its own thread: its own tokenizer, the same task
+    assert counts == {"task": 1, "tokenizer": 1 if runtime == "sync" else 2, "learner": 1}
+    assert run.source.learner is run.learner and run.source.worker.task is run.task
+    assert set(sources_module.SOURCES) == {"sync", "thread", "process", "ray"}

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from driftless.experiments.demo import METHODS, RECORD, differences, method_overrides, numbers_table, readme_numbers
+from driftless.experiments.demo import (
+    METHODS,
+    RECORD,
+    differences,
+    method_overrides,
+    numbers_table,
+    readme_numbers,
+    story,
+)
 from driftless.train import load_config
 from driftless.train.config import dump_config
 from driftless.train.sinks import read_text
@@ -39,6 +47,19 @@ def test_the_record_was_trained_from_configs_demo_yaml(method):
         recorded[section].pop(key, None)
         current[section].pop(key, None)
     assert recorded == current
+
+
+def test_the_story_is_checked_in_every_seed_on_the_final_evaluation():
+    """demo.story: the baseline learns, pg ends below it, tis and sc each end above pg and within the margin."""
+    def runs(*finals):
+        return [{"initial_eval": 0.40, "final_eval": f} for f in finals]
+    summaries = {"baseline": runs(0.50, 0.50, 0.39, 0.50), "pg": runs(0.10, 0.10, 0.10, 0.55),
+                 "tis": runs(0.46, 0.44, 0.30, 0.60), "sc": runs(0.49, 0.45, 0.30, 0.60)}
+    rows = story(summaries, margin=0.05)
+    assert [all(r.values()) for r in rows] == [True, False, False, False]
+    assert rows[1] == {"baseline learns": True, "pg falls": True, "tis holds": False, "sc holds": True}  # 0.06 below
+    assert rows[2]["baseline learns"] is False and rows[3]["pg falls"] is False
+    assert story({m: summaries[m] for m in ("baseline", "pg")}) is None  # --methods without the corrections
 
 
 def test_a_record_compared_with_itself_has_no_differences_and_a_changed_line_is_named(tmp_path):

@@ -298,8 +298,8 @@ def test_demo_reading_is_computed_from_its_runs():
     assert with_auc[3] == ("pg's mean held-out reward over the run is below the baseline's in all 2 runs "
                            "(margin mean +0.125, worst +0.050)")
     one = reading({"baseline": runs((0.2, 0.6, 0.0)), "pg": runs((0.2, 0.1, 0.08))})
-    assert one[0] == ("the baseline (no mismatch) ends above its start: yes (margin +0.400; one run: see "
-                      "docs/calibration.md for 3 × 3)")
+    assert one[0] == ("the baseline (no mismatch) ends above its start: yes (margin +0.400; one run: "
+                      "docs/calibration.md has the multi-seed checks)")
     assert one[2].startswith("pg ends below the baseline: yes (margin +0.500")
 
 

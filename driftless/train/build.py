@@ -12,6 +12,7 @@ setting the domain refuses is refused by name before a run starts; the schema
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -25,6 +26,49 @@ from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfi
 from driftless.train.config import RunConfig
 from driftless.train.learner import Learner, make_optimizer
 from driftless.train.ranks import Ranks, fully_shard_policy
+
+
+class Parts:
+    """What one run makes from its config, each made once and shared: the tokenizer, the text codec, the task
+    (a ``DatasetTask`` reads the user's file once), the objective, the sampler's view and sampling transform.
+    A worker in another process or Ray actor makes its own ``Parts`` from the config it is sent."""
+
+    SHARED_ACROSS_THREADS = ("task", "objective", "view", "sampling")  # read-only once built
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+
+    def for_thread(self) -> Parts:
+        """The parts a worker on another thread uses: the same task, objective and view, its own tokenizer and
+        codec (a Rust tokenizer is not to be shared between threads: "Already borrowed")."""
+        other = Parts(self.config)
+        for name in self.SHARED_ACROSS_THREADS:
+            other.__dict__[name] = getattr(self, name)
+        return other
+
+    @functools.cached_property
+    def tokenizer(self):
+        return tokenizer(self.config)
+
+    @functools.cached_property
+    def codec(self) -> TextCodec:
+        return codec(self.config, self.tokenizer)
+
+    @functools.cached_property
+    def task(self):
+        return task(self.config)
+
+    @functools.cached_property
+    def objective(self):
+        return objective(self.config)
+
+    @functools.cached_property
+    def view(self):
+        return view(self.config)
+
+    @functools.cached_property
+    def sampling(self) -> SamplingParams:
+        return sampling(self.config)
 
 
 def tokenizer(config: RunConfig | None = None):
@@ -96,13 +140,15 @@ def _check_text(config: RunConfig) -> None:
                          "without it the random tiny Qwen3 uses TinyLM's character tokenizer")
 
 
-def check(config: RunConfig) -> RunConfig:
-    """Refuse, by name, what the domain cannot build from ``config`` (before anything runs)."""
+def check(config: RunConfig, parts: Parts | None = None) -> RunConfig:
+    """Refuse, by name, what the domain cannot build from ``config`` (before anything runs); what it builds is
+    kept in ``parts`` when given (the run's own, so that nothing is built twice)."""
     _check_text(config)
-    for section, make in (("task", task), ("objective", objective), ("mismatch.view", view),
-                          ("rollout", sampling)):
+    parts = parts or Parts(config)
+    for section, name in (("task", "task"), ("objective", "objective"), ("mismatch.view", "view"),
+                          ("rollout", "sampling")):
         try:
-            made = make(config)
+            made = getattr(parts, name)
         except ValueError as err:
             raise ValueError(f"{section}: {err}") from None
         if section == "mismatch.view":
@@ -146,9 +192,11 @@ def _hf_policy(config: RunConfig, tok):
     return made
 
 
-def initial_state(config: RunConfig, tok=None, progress: bool = True) -> tuple[dict, dict | None]:
+def initial_state(config: RunConfig, tok=None, progress: bool = True, parts: Parts | None = None
+                  ) -> tuple[dict, dict | None]:
     """(starting weights, warm-start info or None)."""
-    tok = tok or tokenizer(config)
+    parts = parts or Parts(config)
+    tok = tok or parts.tokenizer
     if config.model.kind == "hf":
         torch.manual_seed(config.train.seed)  # a random init without model.hf_path; a checkpoint's weights with it
         return _hf_policy(config, tok).state_dict(), None
@@ -159,7 +207,7 @@ def initial_state(config: RunConfig, tok=None, progress: bool = True) -> tuple[d
         from driftless.train.warmstart import warm_start
 
         ws = config.warm_start
-        base, info = warm_start(model_config, task(config), tok, ws.settings(),
+        base, info = warm_start(model_config, parts.task, tok, ws.settings(),
                                 max_new_tokens=config.rollout.max_new_tokens, cache_dir=ws.cache_dir,
                                 progress=progress, reproducible=config.train.reproducible)
         return base.state_dict(), info
@@ -186,19 +234,20 @@ def policy(config: RunConfig, state: dict | str | Path, tok=None):
 
 
 # ---------------------------------------------------------------------------------------- parts
-def learner(config: RunConfig, state: dict) -> Learner:
+def learner(config: RunConfig, state: dict, parts: Parts | None = None) -> Learner:
     """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics) on its device, sharded
     over the learner ranks under ``train.parallel=fsdp``, objective, optimizer."""
-    trained = policy(config, state).to(device(config))
+    parts = parts or Parts(config)
+    trained = policy(config, state, parts.tokenizer).to(device(config))
     if config.mismatch.trainer_numerics != "fp":
-        trained.numerics = view(config).quant.numerics.for_trainer(config.mismatch.trainer_numerics)
+        trained.numerics = parts.view.quant.numerics.for_trainer(config.mismatch.trainer_numerics)
     o, t = config.optim, config.train
     ranks = Ranks.from_env(t.learner_ranks)
     if t.parallel == "fsdp":
         fully_shard_policy(trained, ranks, t.precision)
     optimizer = make_optimizer([p for p in trained.parameters() if p.requires_grad], o.name, o.lr, o.weight_decay,
                                (o.beta1, o.beta2), exact=t.reproducible)
-    return Learner(trained, objective(config), optimizer, grad_clip=o.grad_clip,
+    return Learner(trained, parts.objective, optimizer, grad_clip=o.grad_clip,
                    head_k=config.rollout.head_k or None, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
                    schedule=o.schedule, total_steps=t.steps * t.ppo_epochs * t.minibatches,
                    decomposition=config.diagnostics.decomposition, keep_versions=config.versions_to_keep(),
@@ -218,10 +267,10 @@ def device(config: RunConfig) -> torch.device:
     return torch.device(asked)
 
 
-def rollout_settings(config: RunConfig) -> RolloutSettings:
+def rollout_settings(config: RunConfig, parts: Parts | None = None) -> RolloutSettings:
     r = config.rollout
     return RolloutSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-                           max_new_tokens=r.max_new_tokens, sampling=sampling(config),
+                           max_new_tokens=r.max_new_tokens, sampling=(parts or Parts(config)).sampling,
                            reward_mode=config.objective.reward_mode, advantage=config.objective.advantage,
                            head_k=r.head_k, seed=config.train.seed, refresh=r.refresh,
                            refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
@@ -230,8 +279,8 @@ def rollout_settings(config: RunConfig) -> RolloutSettings:
                            routes=True if config.train.routing == "replay" else None)
 
 
-def worker(config: RunConfig, state: dict) -> RolloutWorker:
+def worker(config: RunConfig, state: dict, parts: Parts | None = None) -> RolloutWorker:
     """A rollout worker with its own policy copy on ``state``, sampling through the config's mismatch view."""
-    tok = tokenizer(config)
-    return RolloutWorker(policy(config, state, tok), task(config), codec(config, tok), rollout_settings(config),
-                         view=view(config))
+    parts = parts or Parts(config)
+    return RolloutWorker(policy(config, state, parts.tokenizer), parts.task, parts.codec,
+                         rollout_settings(config, parts), view=parts.view)

@@ -28,7 +28,7 @@ from driftless.train.config import RunConfig, dump_config
 from driftless.train.evaluate import evaluate
 from driftless.train.ranks import Ranks
 from driftless.train.sinks import PACKABLE, PACKED_SUFFIX, open_sinks, unpack_run
-from driftless.train.sources import drop_stale, make_source, queue_metrics
+from driftless.train.sources import drop_stale, make_learner, make_source, queue_metrics
 from driftless.train.trace import TRACE_DIR, write_batch
 from driftless.train.warmstart import state_digest
 
@@ -54,16 +54,18 @@ class Run:
 
     @_reproducible
     def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, progress: bool | None = None):
-        self.config = build.check(config)
+        self.parts = build.Parts(config)  # tokenizer, codec, task, objective, view: each built once, shared
+        self.config = build.check(config, self.parts)
         self.dir = Path(run_dir or config.train.run_dir)
         self.progress = config.train.progress if progress is None else progress
-        self.tokenizer = build.tokenizer(config)
-        self.text = build.codec(config, self.tokenizer)  # prompts through the model's tokenizer and chat template
-        self.task = build.task(config)
+        self.tokenizer = self.parts.tokenizer
+        self.text = self.parts.codec  # prompts through the model's tokenizer and chat template
+        self.task = self.parts.task
         self.eval_problems = self.task.eval_set(config.train.eval_problems)
         check_prompts(self.task, self.text, self.eval_problems)  # refused with their rows before any weights load
-        state, self.warm_info = build.initial_state(config, self.tokenizer, self.progress)  # once, here
-        self.source = make_source(config, state)
+        state, self.warm_info = build.initial_state(config, progress=self.progress, parts=self.parts)  # once, here
+        self.learner = make_learner(config, state, self.parts)  # the run's own; its source feeds it
+        self.source = make_source(config, state, self.learner, self.parts)
         self.ranks = getattr(self.learner, "ranks", None) or Ranks()  # a remote learner runs on one rank
         self.primary = self.ranks.rank == 0  # learner rank 0 evaluates, logs and checkpoints
         # which model the run starts from (a fast-mode warm start's bits follow the CPU's kernels); rank 0 records it
@@ -75,10 +77,6 @@ class Run:
         self.stale_rows_dropped = 0
         self.learner_wait_s = 0.0
         self._sources: dict = {}
-
-    @property
-    def learner(self):
-        return self.source.learner
 
     @property
     def policy(self):

@@ -9,10 +9,13 @@ trace → update → publish → finish the step.
     process  process.py  rollout.workers spawned processes (bound η, killed workers replaced)
     ray      ray.py      rollout.workers Ray actors, weights through the object store (bound η)
 
-Adding a runtime: write one module with a class following ``RolloutSource``, register it below
-with ``register(name, "module:Class")``, and add the name to ``Runtime`` in
-driftless.train.config (a test keeps the two equal); say in ``runtime_refusal`` which
-settings it does not honour.
+The run builds its learner once (``make_learner``) and hands it to the source with the weights
+the workers start from and the run's parts; a source never builds a learner of its own.
+
+Adding a runtime: write one module with a class following ``RolloutSource`` (constructed as
+``Source(config, state, learner, parts)``), decorate it with ``@register(name)``, import the module
+at the foot of this file, and add the name to ``Runtime`` in driftless.train.config (a test keeps
+the two equal); say in ``runtime_refusal`` which settings it does not honour.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Protocol
 import torch
 
 from driftless.rollout import RolloutBatch, Snapshot
+from driftless.train import build
 
 WAIT_S = 600.0  # the longest any wait may take before the run fails (nothing waits forever)
 MAX_FAILURES = 3  # a remote worker dying this often in a row without a batch fails the run  # the longest any wait may take before the run fails (nothing waits forever)
@@ -63,27 +67,35 @@ class RolloutSource(Protocol):
         """Stop every worker."""
 
 
-SOURCES: dict[str, str] = {}
+SOURCES: dict[str, type] = {}
 
 
-def register(runtime: str, target: str) -> None:
-    """``target``: "module:Class", imported only when the runtime is used (Ray stays optional)."""
-    SOURCES[runtime] = target
+def register(runtime: str):
+    """Class decorator: ``rollout.runtime=<runtime>`` uses this source (its module is imported at the foot of this
+    package; a runtime's optional dependency, such as Ray, is imported only when the source starts)."""
+    def add(cls):
+        SOURCES[runtime] = cls
+        return cls
+    return add
 
 
-register("sync", "driftless.train.sources.inline:InlineSource")
-register("thread", "driftless.train.sources.thread:ThreadSource")
-register("process", "driftless.train.sources.process:ProcessSource")
-register("ray", "driftless.train.sources.ray:RaySource")
+def make_learner(config, state: dict, parts=None):
+    """The run's learner: a Learner in this process, or (``train.learner_runtime=ray``) a RemoteLearner whose ranks
+    are Ray actors. The run builds it once and hands it to its source."""
+    if config.train.learner_runtime == "ray":
+        from driftless.train.sources.ray import remote_learner
+
+        return remote_learner(config, state)
+    return build.learner(config, state, parts)
 
 
-def make_source(config, state: dict) -> RolloutSource:
-    """The source of ``config.rollout.runtime``, its learner built on ``state``."""
+def make_source(config, state: dict, learner, parts=None) -> RolloutSource:
+    """The source of ``config.rollout.runtime`` feeding ``learner`` (the run's); ``state``: the weights its
+    workers start from; ``parts``: the run's tokenizer, task, codec and view, shared by an in-process worker."""
     name = config.rollout.runtime
     if name not in SOURCES:
         raise ValueError(f"rollout.runtime must be one of {', '.join(SOURCES)}, got {name!r}")
-    module, cls = SOURCES[name].split(":")
-    return getattr(importlib.import_module(module), cls)(config, state)
+    return SOURCES[name](config, state, learner, parts or build.Parts(config))
 
 
 # ---------------------------------------------------------------------------------------- shared parts
@@ -171,3 +183,8 @@ class Dispatch:
 
     def oldest_version(self, default: int) -> int:
         return min((v for _, v in self.in_flight.values()), default=default)
+
+
+# the runtimes, registered by their modules in Runtime's order (after the shared parts above, which they import)
+for _module in ("inline", "thread", "process", "ray"):
+    importlib.import_module(f"{__name__}.{_module}")

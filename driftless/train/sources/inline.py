@@ -19,16 +19,17 @@ import random
 from driftless.rollout import Snapshot
 from driftless.rollout.worker import step_seed
 from driftless.train import build
-from driftless.train.sources import Delivery
+from driftless.train.sources import Delivery, register
 
 
+@register("sync")
 class InlineSource:
     bound = None  # never stale beyond what the config asked for: nothing to drop
 
-    def __init__(self, config, state: dict):
+    def __init__(self, config, state: dict, learner, parts: build.Parts):
         self.config = config
-        self.learner = build.learner(config, state)
-        self.worker = build.worker(config, state)
+        self.learner = learner
+        self.worker = build.worker(config, state, parts)
         self.lag, self.every = config.rollout.lag, config.mismatch.staleness + 1
         self.history: dict[int, Snapshot] = {}  # lag > 0: the weights published after each step count
         self.step = 0

@@ -30,7 +30,7 @@ import torch
 from driftless.models.io import load_weights, save_weights
 from driftless.rollout import Snapshot
 from driftless.train import build
-from driftless.train.sources import WAIT_S, Delivery, Dispatch
+from driftless.train.sources import WAIT_S, Delivery, Dispatch, register
 
 
 def _pack(obj) -> bytes:
@@ -89,10 +89,11 @@ def _serve(config, folder: str, requests) -> None:
         os.replace(final + ".tmp", final)
 
 
+@register("process")
 class ProcessSource:
-    def __init__(self, config, state: dict):
+    def __init__(self, config, state: dict, learner, parts: build.Parts):
         self.config = config
-        self.learner = build.learner(config, state)
+        self.learner = learner
         self.bound = config.rollout.eta
         t = config.train
         self.dispatch = Dispatch(config.rollout.workers, t.steps, t.ppo_epochs * t.minibatches, self.bound)

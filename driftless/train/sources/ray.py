@@ -38,7 +38,7 @@ import torch
 
 from driftless.rollout import Snapshot
 from driftless.train import build
-from driftless.train.sources import WAIT_S, Delivery, Dispatch
+from driftless.train.sources import WAIT_S, Delivery, Dispatch, register
 
 
 def _ray():
@@ -245,19 +245,38 @@ class RemoteLearner:
             self.ray.kill(actor)
 
 
+def remote_learner(config, state: dict) -> RemoteLearner:
+    """``train.learner_runtime=ray``: the learner's ranks as Ray actors (the cluster checked for the rollout actors
+    and learner actors together)."""
+    ray = _ray()
+    init_ray(ray, config)
+    return RemoteLearner(ray, config, state)
+
+
+def init_ray(ray, config) -> None:
+    """Start (or join) Ray, and refuse a cluster with fewer CPUs than the run's actors, by name."""
+    r = config.rollout
+    if not ray.is_initialized():
+        ray.init(num_cpus=r.ray_cpus, include_dashboard=False, log_to_driver=False)
+    learners = config.train.learner_ranks if config.train.learner_runtime == "ray" else 0
+    workers = r.workers if r.runtime == "ray" else 0
+    need, have = workers + learners, ray.cluster_resources().get("CPU", 0)
+    if have < need:
+        what = {0: "", 1: " and a learner actor"}.get(learners, f" and {learners} learner actors")
+        raise ValueError(f"the Ray cluster has {have:g} CPUs; rollout.workers={r.workers} rollout actors"
+                         f"{what} need {need} (raise rollout.ray_num_cpus or connect a larger cluster)")
+
+
+@register("ray")
 class RaySource:
-    def __init__(self, config, state: dict):
-        self.ray = ray = _ray()
+    def __init__(self, config, state: dict, learner, parts: build.Parts):
+        self.ray = _ray()
         self.config = config
         self.bound = config.rollout.eta
         self.refresh = config.rollout.refresh != "pin"
         t = config.train
         self.dispatch = Dispatch(config.rollout.workers, t.steps, t.ppo_epochs * t.minibatches, self.bound)
-        if config.train.learner_runtime == "ray":
-            self._init_ray()
-            self.learner = RemoteLearner(ray, config, state)
-        else:
-            self.learner = build.learner(config, state)
+        self.learner = learner
         self.actors: list = []
         self.refs: collections.deque = collections.deque(maxlen=self.bound + 2)  # published snapshots, newest last
         self.futures: dict[int, object] = {}  # step -> the actor's future
@@ -268,15 +287,7 @@ class RaySource:
         return self.actors[0] if self.actors else None
 
     def _init_ray(self) -> None:
-        ray, r = self.ray, self.config.rollout
-        if not ray.is_initialized():
-            ray.init(num_cpus=r.ray_cpus, include_dashboard=False, log_to_driver=False)
-        learners = self.config.train.learner_ranks if self.config.train.learner_runtime == "ray" else 0
-        need, have = r.workers + learners, ray.cluster_resources().get("CPU", 0)
-        if have < need:
-            what = {0: "", 1: " and a learner actor"}.get(learners, f" and {learners} learner actors")
-            raise ValueError(f"the Ray cluster has {have:g} CPUs; rollout.workers={r.workers} rollout actors"
-                             f"{what} need {need} (raise rollout.ray_num_cpus or connect a larger cluster)")
+        init_ray(self.ray, self.config)
 
     def _new_actor(self):
         cls = _actor_class(self.ray)

@@ -23,7 +23,7 @@ import torch
 
 from driftless.rollout import Snapshot
 from driftless.train import build
-from driftless.train.sources import WAIT_S, Delivery, admitted
+from driftless.train.sources import WAIT_S, Delivery, admitted, register
 
 
 class _Published:
@@ -42,11 +42,12 @@ class _Published:
             return self._snapshot
 
 
+@register("thread")
 class ThreadSource:
-    def __init__(self, config, state: dict):
+    def __init__(self, config, state: dict, learner, parts: build.Parts):
         self.config = config
-        self.learner = build.learner(config, state)
-        self.worker = build.worker(config, state)
+        self.learner = learner
+        self.worker = build.worker(config, state, parts.for_thread())  # it samples on a thread of its own
         self.bound = config.rollout.eta
         self.k = config.train.ppo_epochs * config.train.minibatches
         self.refresh = config.rollout.refresh != "pin"
