@@ -184,7 +184,8 @@ def story(summaries: dict[str, list[dict]], margin: float = STORY_MARGIN) -> lis
     the runs lack a method the story needs (``--methods`` chose others).
 
     ``baseline learns``: the baseline ends above its start; ``pg falls``: pg ends below the baseline; ``tis
-    holds`` / ``sc holds``: the correction ends above pg and within ``margin`` of the baseline."""
+    holds`` / ``sc holds``: the correction ends strictly above pg (a tie does not hold) and at most ``margin``
+    below the baseline. Runs with the same index share warm start and seed."""
     if not {"baseline", "pg", *CORRECTIONS} <= set(summaries):
         return None
     out = []
@@ -375,7 +376,8 @@ def numbers_table(run_dir=RECORD, methods=METHODS, seed: int = 0) -> str:
     lines = [head, "|---|" + "---|" * (len(steps) + 1)]
     for m, (_, ys) in curves.items():
         lines.append(f"| {m} | " + " | ".join(f"{y:.3f}" for y in ys) + f" | {statistics.fmean(ys):.3f} |")
-    seeds = sorted(int(p.name.removeprefix("seed")) for p in (Path(run_dir) / methods[0]).glob("seed*"))
+    seeds = sorted(set.intersection(*({int(p.name.removeprefix("seed")) for p in (Path(run_dir) / m).glob("seed*")
+                                       if p.is_dir() and p.name.removeprefix("seed").isdigit()} for m in methods)))
     rows = story({m: [summarize(Path(run_dir) / m / f"seed{s}") for s in seeds] for m in methods})
     if rows is not None:
         counts = ", ".join(f"{name}: {sum(r[name] for r in rows)} of {len(rows)}" for name in rows[0])

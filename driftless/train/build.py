@@ -33,7 +33,9 @@ class Parts:
     (a ``DatasetTask`` reads the user's file once), the objective, the sampler's view and sampling transform.
     A worker in another process or Ray actor makes its own ``Parts`` from the config it is sent."""
 
-    SHARED_ACROSS_THREADS = ("task", "objective", "view", "sampling")  # read-only once built
+    # shared with a worker thread: tasks, objectives and sampling params hold no mutable state; the view is applied
+    # by the worker alone (WeightNoise fills a cache on its first application), the trainer reads only its numerics
+    SHARED_ACROSS_THREADS = ("task", "objective", "view", "sampling")
 
     def __init__(self, config: RunConfig):
         self.config = config

@@ -141,7 +141,7 @@ class Run:
         n = self.config.train.eval_samples
         result = evaluate(self.policy, self.task, self.text, self.eval_problems,
                           max_new_tokens=self.config.rollout.max_new_tokens, samples=SAMPLES_PER_EVAL,
-                          stop=tuple(self.config.rollout.stop), params=build.sampling(self.config) if n else None,
+                          stop=tuple(self.config.rollout.stop), params=self.parts.sampling if n else None,
                           repeats=max(n, 1))
         self.last_eval = result["eval_reward"]
         if not self.primary:

@@ -85,13 +85,14 @@ def make_learner(config, state: dict, parts=None):
     if config.train.learner_runtime == "ray":
         from driftless.train.sources.ray import remote_learner
 
-        return remote_learner(config, state)
+        return remote_learner(config, state, parts)
     return build.learner(config, state, parts)
 
 
 def make_source(config, state: dict, learner, parts=None) -> RolloutSource:
     """The source of ``config.rollout.runtime`` feeding ``learner`` (the run's); ``state``: the weights its
-    workers start from; ``parts``: the run's tokenizer, task, codec and view, shared by an in-process worker."""
+    workers start from; ``parts``: the run's tokenizer, task, codec and view (the sync worker shares them; the thread
+    worker shares the task and view and makes its own tokenizer; process and Ray workers make their own)."""
     name = config.rollout.runtime
     if name not in SOURCES:
         raise ValueError(f"rollout.runtime must be one of {', '.join(SOURCES)}, got {name!r}")

@@ -173,8 +173,8 @@ class RemoteLearner:
     gathered by the ranks one tensor at a time: a run resumes on any number of ranks and runtimes.
     """
 
-    def __init__(self, ray, config, state, *, threads: int = 1):
-        self.ray, self.policy_copy = ray, build.policy(config, state)
+    def __init__(self, ray, config, state, *, threads: int = 1, tokenizer=None):
+        self.ray, self.policy_copy = ray, build.policy(config, state, tokenizer)
         world = config.train.learner_ranks
         cls = _learner_actor_class(ray, learner_gpus(ray, config))
         if world > 1:
@@ -245,12 +245,12 @@ class RemoteLearner:
             self.ray.kill(actor)
 
 
-def remote_learner(config, state: dict) -> RemoteLearner:
+def remote_learner(config, state: dict, parts=None) -> RemoteLearner:
     """``train.learner_runtime=ray``: the learner's ranks as Ray actors (the cluster checked for the rollout actors
     and learner actors together)."""
     ray = _ray()
     init_ray(ray, config)
-    return RemoteLearner(ray, config, state)
+    return RemoteLearner(ray, config, state, tokenizer=parts.tokenizer if parts is not None else None)
 
 
 def init_ray(ray, config) -> None:
