@@ -1,7 +1,7 @@
 """The README's demo numbers are the committed record's, and the record is what configs/demo.yaml trains.
 
 `make demo` runs reproducible training (train.reproducible), so its numbers are the same bits on every
-x86-64 CPU. The record (results/demo-reproducible: the 3-seed check, seed 0 being `make demo`'s runs)
+x86-64 CPU. The record (results/demo-reproducible: the 5-seed record, seed 0 being `make demo`'s runs)
 carries them; this test ties the README to the record and the record to the config. `make demo-verify`
 (CI) trains the demo afresh and compares every metric line with the record's (``driftless demo --expect``).
 """
@@ -23,6 +23,7 @@ from driftless.experiments.demo import (
     readme_numbers,
     story,
 )
+from driftless.experiments.report import summarize
 from driftless.train import load_config
 from driftless.train.config import dump_config
 from driftless.train.sinks import read_text
@@ -47,6 +48,19 @@ def test_the_record_was_trained_from_configs_demo_yaml(method):
         recorded[section].pop(key, None)
         current[section].pop(key, None)
     assert recorded == current
+
+
+RECORD_STORY_COUNT = 2  # seeds of the record's 5 where all four statements hold (docs/calibration.md)
+
+
+def test_the_record_tells_the_story_in_the_readmes_seed_and_in_its_stated_count_of_seeds():
+    """The baseline learns, pg ends below it, tis and sc each end above pg and within 0.05 of the baseline
+    (demo.story): in seed 0, the one `make demo` shows, and in RECORD_STORY_COUNT of the record's 5 seeds (the issue's goal, 4, is not met yet)."""
+    seeds = sorted(int(p.name.removeprefix("seed")) for p in (RECORD / "baseline").glob("seed*"))
+    assert seeds == [0, 1, 2, 3, 4]
+    rows = story({m: [summarize(RECORD / m / f"seed{s}") for s in seeds] for m in METHODS})
+    assert all(rows[0].values()), rows[0]
+    assert sum(all(r.values()) for r in rows) == RECORD_STORY_COUNT, rows
 
 
 def test_the_story_is_checked_in_every_seed_on_the_final_evaluation():

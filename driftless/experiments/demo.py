@@ -360,7 +360,7 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
 
 # ------------------------------------------------------------------------------------------ the demo's numbers
 # The README states the demo's exact numbers (the same bits on every x86-64 CPU: train.reproducible). They are
-# the committed record's (RECORD: the 3-seed check, whose seed 0 is what `make demo` runs); a test checks the
+# the committed record's (RECORD: the 5-seed record, whose seed 0 is what `make demo` runs); a test checks the
 # README against the record, and `driftless demo --expect RECORD` (make demo-verify, in CI) checks a fresh demo
 # against the record, line by line.
 RECORD = Path(__file__).resolve().parents[2] / "results" / "demo-reproducible"
