@@ -172,29 +172,47 @@ def _claim(text: str, k: int, n: int, mean: float, worst: float, fmt: str = "+.3
     return f"{text} {verdict} (margin mean {mean:{fmt}}, worst {worst:{fmt}})"
 
 
-# The demo's story, checked in every run (seed) on its final held-out reward: a correction "holds" when it ends above
-# pg and no more than STORY_MARGIN below the no-mismatch baseline of the same seed (chosen on the calibration
-# seeds, docs/calibration.md)
+# The demo's story, checked in every run (seed) on its late held-out reward: the mean of the last STORY_WINDOW
+# evaluations (the last third of the demo's run: steps 100, 125 and 150), which a single evaluation's wander of
+# ±0.05 at this learning rate decides less than the final one alone. A correction "holds" when it ends above pg and
+# no more than STORY_MARGIN below the no-mismatch baseline of the same seed (docs/calibration.md: how the reading
+# and the margin were chosen, and the seeds checked after)
 STORY_MARGIN = 0.05
+STORY_WINDOW = 3
 CORRECTIONS = ("tis", "sc")
 
 
-def story(summaries: dict[str, list[dict]], margin: float = STORY_MARGIN) -> list[dict[str, bool]] | None:
-    """Per run (seed): whether each of the demo's four statements holds on the final held-out reward; None when
-    the runs lack a method the story needs (``--methods`` chose others).
+def late_reward(ys: list[float], window: int = STORY_WINDOW) -> float:
+    """The mean of the last ``window`` held-out evaluations (the initial one excluded unless nothing else)."""
+    trained = ys[1:] or ys
+    return statistics.fmean(trained[-window:])
 
-    ``baseline learns``: the baseline ends above its start; ``pg falls``: pg ends below the baseline; ``tis
-    holds`` / ``sc holds``: the correction ends strictly above pg (a tie does not hold) and at most ``margin``
-    below the baseline. Runs with the same index share warm start and seed."""
+
+def story_summary(run_dir) -> dict:
+    """``summarize`` plus what the story and the report read: ``late_eval`` and ``auc`` (the mean over the run)."""
+    out = summarize(run_dir)
+    _, ys = eval_curve(run_dir)
+    out["late_eval"] = late_reward(ys)
+    out["auc"] = statistics.fmean(ys)
+    return out
+
+
+def story(summaries: dict[str, list[dict]], margin: float = STORY_MARGIN) -> list[dict[str, bool]] | None:
+    """Per run (seed): whether each of the demo's four statements holds on the late held-out reward
+    (``late_eval``: ``story_summary``); None when the runs lack a method the story needs (``--methods`` chose others).
+
+    ``baseline learns``: the baseline's late reward is above its start; ``pg falls``: pg's is below the baseline's;
+    ``tis holds`` / ``sc holds``: the correction's is strictly above pg's (a tie does not hold) and at most
+    ``margin`` below the baseline's. Runs with the same index share warm start and seed."""
     if not {"baseline", "pg", *CORRECTIONS} <= set(summaries):
         return None
     out = []
     for i, base in enumerate(summaries["baseline"]):
-        pg = summaries["pg"][i]["final_eval"]
-        row = {"baseline learns": base["final_eval"] > base["initial_eval"], "pg falls": pg < base["final_eval"]}
+        pg = summaries["pg"][i]["late_eval"]
+        row = {"baseline learns": base["late_eval"] > base["initial_eval"], "pg falls": pg < base["late_eval"]}
         for m in CORRECTIONS:
-            final = summaries[m][i]["final_eval"]
-            row[f"{m} holds"] = final > pg and final >= base["final_eval"] - margin
+            late = summaries[m][i]["late_eval"]
+            row[f"{m} holds"] = late > pg and late >= base["late_eval"] - margin
         out.append(row)
     return out
 
@@ -206,8 +224,9 @@ def story_lines(summaries: dict[str, list[dict]], labels: list[str], margin: flo
         return []
     whole = [all(r.values()) for r in rows]
     lines = ["## The story", "",
-             (f"The four statements the demo is for, on each run's final held-out reward (a correction holds when it "
-              f"ends above pg and at most {margin} below the baseline of the same seed): **all four hold in "
+             (f"The four statements the demo is for, on each run's late held-out reward (the mean of its last "
+              f"{STORY_WINDOW} evaluations; a correction holds when it ends above pg and at most {margin} below the "
+              f"baseline of the same seed): **all four hold in "
               f"{sum(whole)} of {len(rows)} run(s)**."), "",
              "| run | " + " | ".join(rows[0]) + " | all |", "|---|" + "---|" * (len(rows[0]) + 1)]
     for label, r, ok in zip(labels, rows, whole):
@@ -304,17 +323,16 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
     curves = {m: [eval_curve(p) for p in paths] for m, paths in runs.items()}
     threshold = _threshold(curves)
     summaries = {}
-    header = ("| method | initial eval | final eval | best eval | AUC (mean eval) | steps to threshold | "
-              "final train reward | mean KL(q‖p) | max p/q | s/step |")
+    header = ("| method | initial eval | final eval | late eval (last 3) | best eval | AUC (mean eval) | "
+              "steps to threshold | final train reward | mean KL(q‖p) | max p/q | s/step |")
     lines = ["# driftless demo", "", setting, "",
              (f"Threshold: {threshold:.3f}, halfway from the initial held-out reward to the baseline's mean final "
               "one (steps: the first evaluation at or above it; runs that never reach it count as the run length "
               "and are marked 'never')."),
-             "", header, "|---|---|---|---|---|---|---|---|---|---|"]
+             "", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, paths in runs.items():
-        s = [summarize(p) for p in paths]
+        s = [story_summary(p) for p in paths]
         for x, (xs, ys) in zip(s, curves[method]):
-            x["auc"] = statistics.fmean(ys)
             x["to_threshold"] = next((step for step, y in zip(xs, ys) if y >= threshold), None)
 
         summaries[method] = s
@@ -325,7 +343,7 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
         to_thr = spread([r if r is not None else x["steps"] for r, x in zip(reached, s)], ".0f")
         to_thr += "" if all(r is not None for r in reached) else f" ({sum(r is None for r in reached)} never)"
         lines.append(f"| {method} | {col('initial_eval', '.3f')} | {col('final_eval', '.3f')} | "
-                     f"{col('best_eval', '.3f')} | {col('auc', '.3f')} | {to_thr} | {col('final_train_reward', '.3f')} | "
+                     f"{col('late_eval', '.3f')} | {col('best_eval', '.3f')} | {col('auc', '.3f')} | {to_thr} | {col('final_train_reward', '.3f')} | "
                      f"{col('mean_kl_k3', '.2e')} | {col('max_ratio', '.3g')} | {col('mean_step_time', '.2f')} |")
     if pairs is not None:
         lines += ["", ("Final held-out reward of every run (warm start × RL seed; the initial value is the warm "
@@ -335,12 +353,13 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
             lines.append(f"| {w} | {seed} | {summaries[next(iter(runs))][i]['initial_eval']:.3f} | "
                          + " | ".join(f"{summaries[m][i]['final_eval']:.3f}" for m in runs) + " |")
     elif n_runs > 1:
-        lines += ["", "Final held-out reward of every run (mean over the run in brackets):", "",
+        lines += ["", (f"Late held-out reward of every run (the mean of its last {STORY_WINDOW} evaluations, what the "
+                       "story reads; the final evaluation in brackets):"), "",
                   "| seed | initial | " + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
         for i, p in enumerate(next(iter(runs.values()))):
             lines.append(f"| {Path(p).name.removeprefix('seed')} | "
                          f"{summaries[next(iter(runs))][i]['initial_eval']:.3f} | "
-                         + " | ".join(f"{summaries[m][i]['final_eval']:.3f} ({summaries[m][i]['auc']:.3f})"
+                         + " | ".join(f"{summaries[m][i]['late_eval']:.3f} ({summaries[m][i]['final_eval']:.3f})"
                                       for m in runs) + " |")
     labels = [f"seed {Path(p).name.removeprefix('seed')}" + ("" if pairs is None else f", warm start {w}")
               for p, (w, _) in zip(next(iter(runs.values())), pairs or [(None, None)] * n_runs)]
@@ -378,12 +397,12 @@ def numbers_table(run_dir=RECORD, methods=METHODS, seed: int = 0) -> str:
         lines.append(f"| {m} | " + " | ".join(f"{y:.3f}" for y in ys) + f" | {statistics.fmean(ys):.3f} |")
     seeds = sorted(set.intersection(*({int(p.name.removeprefix("seed")) for p in (Path(run_dir) / m).glob("seed*")
                                        if p.is_dir() and p.name.removeprefix("seed").isdigit()} for m in methods)))
-    rows = story({m: [summarize(Path(run_dir) / m / f"seed{s}") for s in seeds] for m in methods})
+    rows = story({m: [story_summary(Path(run_dir) / m / f"seed{s}") for s in seeds] for m in methods})
     if rows is not None:
         counts = ", ".join(f"{name}: {sum(r[name] for r in rows)} of {len(rows)}" for name in rows[0])
         whole = [s for s, r in zip(seeds, rows) if all(r.values())]
-        lines += ["", (f"Over the record's {len(rows)} RL seeds ({', '.join(map(str, seeds))}; final held-out reward, a "
-                       f"correction holds when above pg and at most {STORY_MARGIN} below the baseline): {counts}; "
+        lines += ["", (f"Over the record's {len(rows)} RL seeds ({', '.join(map(str, seeds))}; late held-out reward: the "
+                       f"mean of the last {STORY_WINDOW} evaluations; a correction holds when above pg and at most {STORY_MARGIN} below the baseline): {counts}; "
                        f"**all four in {len(whole)} of {len(rows)}** (seeds {', '.join(map(str, whole)) or 'none'}).")]
     return "\n".join(lines)
 
