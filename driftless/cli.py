@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--run-dir", default=None, help="default: results/study (runs/study-quick with --quick)")
     st.add_argument("--workers", type=int, default=None, help="runs trained at once (default: one per CPU)")
     st.add_argument("--no-progress", action="store_true")
+    st.add_argument("--reports", action="store_true",
+                    help="regenerate each experiment's report from its committed records, training nothing")
     st.set_defaults(func=_study)
 
     d = sub.add_parser("demo", help="the main job: a no-mismatch baseline, then pg, tis and sc under mismatch")
@@ -271,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("paths", nargs="+", help="run folders, or folders searched for finished runs (done.json)")
     pk.add_argument("--unfinished", action="store_true",
                     help="also runs without done.json (a run that is still training must not be packed)")
+    pk.add_argument("--slim", action="store_true",
+                    help="keep only the metric columns the sweep reports read (a record for git; the run's own "
+                         "directory keeps every column): docs/RESULTS.md, 'What a record keeps'")
     pk.set_defaults(func=_pack)
 
     args = parser.parse_args(argv)
@@ -301,7 +306,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def _pack(args) -> int:
-    from driftless.train.sinks import has_record, pack_run
+    from driftless.train.sinks import has_record, pack_run, slim_run
 
     runs = []
     for root in map(Path, args.paths):
@@ -313,8 +318,10 @@ def _pack(args) -> int:
         for r in skipped:
             print(f"skipped {r}: no done.json (unfinished, or not a sweep run: --unfinished packs it)", file=sys.stderr)
     before = after = 0
+    if args.slim:
+        from driftless.experiments.sweep_report import RECORD_COLUMNS
     for run in runs:
-        b, a = pack_run(run)
+        b, a = slim_run(run, RECORD_COLUMNS) if args.slim else pack_run(run)
         before, after = before + b, after + a
     print(json.dumps({"runs": len(runs), "bytes_before": before, "bytes_after": after,
                       "ratio": round(before / after, 2) if after else None}))
@@ -480,6 +487,12 @@ def _study(args) -> int:
 
     if args.quick and args.only:
         raise ValueError("study: --quick and --only exclude each other")
+    if args.reports:
+        from driftless.experiments.study import write_reports
+
+        for path in write_reports(args.run_dir or "results/study", only=args.only):
+            print(path)
+        return 0
     index = run_study(args.run_dir or ("runs/study-quick" if args.quick else "results/study"), only=args.only,
                       quick=args.quick, workers=args.workers, progress=not args.no_progress, reuse=not args.quick)
     print(index.read_text())

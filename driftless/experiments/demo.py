@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, initial_eval, read_metrics, spread, summarize
+from driftless.experiments.report import eval_curve, initial_eval, read_metrics, save_figure, spread, summarize
 from driftless.train import load_config
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -311,7 +311,7 @@ def write_comparison(run_dir: Path, runs: dict[str, list[Path]], config, pairs=N
                  f"staleness {config.mismatch.staleness}; {runs_text}")
     fig.tight_layout()
     plot = run_dir / "eval_reward.png"
-    fig.savefig(plot, dpi=100)
+    save_figure(fig, plot, dpi=100)
     plt.close(fig)
     setting = (f"Countdown ({config.task.n_numbers} numbers in {config.task.min_number}–{config.task.max_number}), "
                f"warm-started TinyLM, {config.train.steps} RL steps of {config.rollout.prompts_per_step} prompts × "

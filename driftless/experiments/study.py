@@ -158,12 +158,25 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
         if out["failed"]:
             raise RuntimeError(f"study {claim.name}: trials failed: "
                                + "; ".join(f"{k}: {v}" for k, v in out["failed"].items()))
-        write_sweep_report(root / claim.name, by=list(claim.by),
-                           references=[os.path.relpath(REPO / r) for r in claim.references if (REPO / r).is_dir()])
+        write_report(root, claim)
         if progress:
             print(f"study: {claim.name} done ({len(out['trials'])} trials, {out['reused']} reused, {spent:.0f} s); "
                   f"its record: {root / claim.name}/report.md")
     return write_index(root, log)
+
+
+def write_report(root: Path, claim: Claim) -> Path:
+    """``claim``'s sweep report (``report.md``, ``plots/``) from the records under ``root/claim.name``."""
+    return write_sweep_report(Path(root) / claim.name, by=list(claim.by),
+                              references=[os.path.relpath(REPO / r) for r in claim.references if (REPO / r).is_dir()])
+
+
+def write_reports(root="results/study", *, only: list[str] | None = None) -> list[Path]:
+    """Every finished experiment's report regenerated from its committed records, nothing trained
+    (``driftless study --reports``): each experiment of the study with a folder under ``root``."""
+    root = Path(root)
+    todo = [c for c in (claims(only) if only else CLAIMS) if (root / c.name / "sweep.json").exists()]
+    return [write_report(root, c) for c in todo]
 
 
 def build_real(root: str | Path = "runs") -> None:

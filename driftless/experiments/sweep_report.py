@@ -31,13 +31,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, read_metrics, spread
+from driftless.experiments.report import eval_curve, read_metrics, save_figure, spread
 from driftless.experiments.sweep import SEED_KEYS, recorded_start
 from driftless.train.sinks import has_record
 
 COLLAPSE_MARGIN = 0.05
 LEVEL = 0.95  # the paired intervals' coverage
 PHASE = 0.2  # the drift table's early and late phases: the first and the last fifth of a run's steps
+# The per-step columns a sweep report and the study's index read from a run's metrics (``summarize_run``, the
+# drift table, the plots; ``study.run_seconds``): what a record committed to git keeps (``driftless pack --slim``),
+# the rest of each line staying in the run's own directory (and TensorBoard / W&B) where it was trained.
+RECORD_COLUMNS = ("step", "eval_reward", "kl_k3", "renyi_d2", "ratio_p99", "eq1_movement_abs", "eq1_disagreement_abs",
+                  "masked_fraction", "tokens_per_s", "stale_rows_dropped", "wall_time")
 DRIFT_KEYS = (("kl_k3", "KL(q‖p)", ".2e"), ("eq1_movement_abs", "Eq. 1 mean abs movement", ".2e"),
               ("eq1_disagreement_abs", "Eq. 1 mean abs disagreement", ".2e"), ("ratio_p99", "p99 p/q", ".3g"))
 # movement is lag's share of Eq. 1 (weights moved since the sample), disagreement the sampler's own numerics
@@ -509,7 +514,7 @@ def _plots(out: Path, groups: dict[str, list[dict]]) -> list[Path]:
     _legend(ax[-1], len(groups))
     fig.tight_layout()
     paths.append(out / "eval_reward.png")
-    fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
+    save_figure(fig, paths[-1], dpi=90, bbox_inches="tight")
     plt.close(fig)
     for name, keys in (("divergence", ("kl_k3", "renyi_d2")), ("eq1", ("eq1_movement_abs", "eq1_disagreement_abs"))):
         fig, ax = plt.subplots(1, 2, figsize=(12, 4))
@@ -522,7 +527,7 @@ def _plots(out: Path, groups: dict[str, list[dict]]) -> list[Path]:
         _legend(ax[-1], len(groups))
         fig.tight_layout()
         paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
+        save_figure(fig, paths[-1], dpi=90, bbox_inches="tight")
         plt.close(fig)
     return paths
 
@@ -559,6 +564,6 @@ def _panels(out: Path, groups: dict[str, list[dict]], group_values: dict[str, tu
     _legend(axes[0][-1], len(names) + 1)
     fig.tight_layout()
     path = out / "eval_reward_panels.png"
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    save_figure(fig, path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path

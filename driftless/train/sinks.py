@@ -103,6 +103,29 @@ def pack_run(run_dir) -> tuple[int, int]:
     return before, after
 
 
+def slim_run(run_dir, keep) -> tuple[int, int]:
+    """Keep only the ``keep`` columns of a finished run's metrics, packed (what a record committed to git needs to
+    regenerate its reports; the lines keep their order and the kept values their bytes); (bytes before, after),
+    the packed sizes. Slimming again changes nothing."""
+    keep = set(keep)
+    if "step" not in keep:
+        raise ValueError("slim_run: the kept columns must include 'step'")
+    path = record_path(run_dir)
+    if path is None:
+        raise ValueError(f"{run_dir} has no {METRICS_FILE} (nor {METRICS_FILE}{PACKED_SUFFIX})")
+    pack_run(run_dir)
+    packed = Path(run_dir) / (METRICS_FILE + PACKED_SUFFIX)
+    before = packed.stat().st_size
+    rows = read_metrics(run_dir)
+    data = "".join(json.dumps({k: v for k, v in r.items() if k in keep}) + "\n" for r in rows).encode()
+    blob = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+    if blob != packed.read_bytes():
+        tmp = packed.with_name(packed.name + ".tmp")
+        tmp.write_bytes(blob)
+        tmp.replace(packed)
+    return before, len(blob)
+
+
 class JSONLSink:
     def __init__(self, path: Path):
         self.path = Path(path)
