@@ -75,6 +75,53 @@ def test_driftless_pack_packs_finished_runs_only_and_the_report_reads_them(tmp_p
     assert write_sweep_report(sweep).read_text() == first  # the same table from the packed records
 
 
+def test_a_slimmed_record_keeps_the_reports_columns_and_gives_the_same_report_and_plots(tmp_path, capsys):
+    from driftless.experiments.sweep import run_trial
+    from driftless.experiments.sweep_report import RECORD_COLUMNS
+
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1):
+        run_trial(None, [*SMALL, f"train.seed={seed}"], sweep / f"s{seed}")
+    full = {seed: read_metrics(sweep / f"s{seed}") for seed in (0, 1)}
+    first = write_sweep_report(sweep).read_text()
+    plots = {p.name: p.read_bytes() for p in (sweep / "plots").glob("*.png")}
+    assert plots and all(p.startswith(b"\x89PNG") for p in plots.values())
+    assert main(["pack", "--slim", str(sweep)]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == 2
+    for seed, rows in full.items():
+        slim = read_metrics(sweep / f"s{seed}")
+        assert len(slim) == len(rows) and len(rows[0]) > len(RECORD_COLUMNS)
+        assert slim == [{k: v for k, v in r.items() if k in RECORD_COLUMNS} for r in rows]  # kept values, same order
+    packed = (sweep / "s0" / "metrics.jsonl.xz").read_bytes()
+    assert main(["pack", "--slim", str(sweep)]) == 0 and (sweep / "s0" / "metrics.jsonl.xz").read_bytes() == packed
+    assert write_sweep_report(sweep).read_text() == first
+    assert {p.name: p.read_bytes() for p in (sweep / "plots").glob("*.png")} == plots
+
+
+@pytest.mark.slow  # make test-slow: every study report (about a minute)
+def test_every_study_report_regenerates_byte_for_byte_from_the_committed_records():
+    """The records committed under results/study keep only the columns the reports read (``pack --slim``):
+    each experiment's report.md and plots, regenerated from them, are the committed bytes."""
+    from driftless.experiments import study
+
+    root = REPO / "results" / "study"
+    names = [c.name for c in study.CLAIMS if (root / c.name / "sweep.json").exists()]
+    files = [p for n in names for p in [root / n / "report.md", *sorted((root / n / "plots").glob("*.png"))]]
+    before = {p: p.read_bytes() for p in files}
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the reports name their sweeps as seen from the repository root, as `make study` writes them
+    try:
+        study.write_reports(root, only=names)
+    finally:
+        os.chdir(cwd)
+    changed = [str(p.relative_to(REPO)) for p in files if p.read_bytes() != before[p]]
+    for p in files:
+        p.write_bytes(before[p])  # the checkout as it was, whatever the verdict
+    assert not changed, f"reports that do not regenerate from the committed records: {changed[:5]}"
+
+
 def test_a_bad_line_in_a_record_is_named_by_file_and_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON"):
@@ -110,6 +157,19 @@ def test_every_command_has_a_one_line_help():
     commands = [line.split()[0] for line in listed if line.strip()]
     assert all(len(line.split()) > 1 for line in listed if line.strip()), listed  # name and help on one line
     assert {"train", "sweep", "study", "demo", "report", "pack", "make-model"} <= set(commands)
+
+
+RESULTS_BUDGET = 25_000_000  # bytes of tracked results/: a clone stays small (docs/RESULTS.md, "What a record keeps")
+
+
+def test_the_tracked_results_stay_within_their_budget():
+    tracked = subprocess.run(["git", "ls-files", "results"], cwd=REPO, capture_output=True, text=True,
+                             check=False).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    size = sum((REPO / f).stat().st_size for f in tracked if (REPO / f).exists())
+    assert size <= RESULTS_BUDGET, (f"tracked results/ holds {size / 1e6:.1f} MB (budget {RESULTS_BUDGET / 1e6:.0f} MB): "
+                                    "`driftless pack --slim` finished sweeps' records (docs/RESULTS.md)")
 
 
 def test_every_committed_finished_run_has_its_metrics_record():
