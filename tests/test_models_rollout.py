@@ -269,6 +269,40 @@ def test_generation_is_seeded_and_reproducible():
     assert not torch.equal(a.tokens, c.tokens)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)], ids=["plain", "top-p"])
+def test_row_draws_give_each_row_the_same_bits_whatever_rows_are_generated_beside_it(params):
+    """rollout.draws=row (what sharded generation needs): in aligned execution a share of the rows, generated
+    alone and widened by concat_batches, is bit for bit the whole batch's; the batch-wide generator is not."""
+    from driftless.rollout.batch import concat_batches
+
+    sampler = Sampler(make_model("aligned"), head_k=4, eos_id=0)
+    sampler.load(Snapshot.of(sampler.policy, 0))
+    prompts = [s.tolist() for s in random_seqs(10, seed=3, hi=12)]
+    seeds = [1000 + i for i in range(len(prompts))]
+    whole = sampler.generate(prompts, params, 16, seed=5, row_seeds=seeds)
+    shares = [sampler.generate(prompts[a:b], params, 16, seed=5, row_seeds=seeds[a:b]) for a, b in ((0, 3), (3, 10))]
+    gathered = concat_batches(shares, pad_id=0)
+    for field in ("tokens", "length", "action_mask", "sampler_logp", "version", "sampler_topk_ids", "sampler_topk_logp"):
+        assert torch.equal(getattr(whole, field), getattr(gathered, field)), field
+    assert min(b.tokens.shape[1] for b in shares) < whole.tokens.shape[1]  # a share was widened
+    batchwide = [sampler.generate(prompts[a:b], params, 16, seed=5) for a, b in ((0, 3), (3, 10))]
+    assert not torch.equal(concat_batches(batchwide, pad_id=0).tokens, sampler.generate(prompts, params, 16, seed=5).tokens)
+
+
+def test_row_draws_follow_q_and_never_draw_a_token_outside_its_support():
+    from driftless.rollout.sampling import draw_rows
+
+    q = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    n = 40_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = draw_rows(q.log().expand(n, -1), u)
+    counts = torch.bincount(tokens, minlength=5).double() / n
+    assert counts[1] == 0
+    assert torch.allclose(counts, q.double(), atol=4 * (0.25 / n) ** 0.5)  # four standard errors at most
+    u = torch.tensor([0.0, 0.49, 0.51, 0.79, 0.81, 0.96, 1 - 1e-12], dtype=torch.float64)  # the inverse CDF's steps
+    assert draw_rows(q.log().expand(7, -1), u).tolist() == [0, 0, 2, 2, 3, 4, 4]
+
+
 class FavouritePolicy(torch.nn.Module):
     """A stand-in Policy whose next-token logits always favour one token: any Policy plugs in."""
 

@@ -116,6 +116,17 @@ def test_ranks_are_refused_where_they_cannot_be_honoured(tmp_path):
         load_config(None, ["train.learner_ranks=2", "rollout.runtime=thread"])
     with pytest.raises(ValueError, match="launch with torchrun --nproc-per-node 2"):
         Ranks.from_env(2)
+    shard = ["rollout.shard_across_ranks=true", "rollout.draws=row", "train.learner_ranks=2"]
+    with pytest.raises(ValueError, match="rollout.shard_across_ranks=true shares a step's generation among learner"):
+        load_config(None, [*shard, "train.learner_ranks=1"])
+    with pytest.raises(ValueError, match="rollout.shard_across_ranks=true needs rollout.draws=row"):
+        load_config(None, [*shard, "rollout.draws=batch"])
+    with pytest.raises(ValueError, match="rollout.shard_across_ranks=true with rollout.refresh=retain"):
+        load_config(None, [*shard, "rollout.lag=1", "rollout.refresh=retain"])
+    with pytest.raises(ValueError, match="rollout.prompts_per_step=1 < train.learner_ranks=2"):
+        load_config(None, [*shard, "rollout.prompts_per_step=1"])
+    with pytest.raises(ValueError, match="rollout.draws=row draws each row from its own stream in the built-in"):
+        load_config(None, ["rollout.draws=row", "rollout.engine=vllm", "model.kind=hf", "model.hf_path=x"])
 
 
 def _same_lines(one, two, rel=1e-4):
@@ -193,3 +204,20 @@ def test_a_sharded_checkpoint_loads_into_one_process_and_a_dtype_mismatch_is_ref
     assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, fresh.optimizer.state.values()))
     with pytest.raises(ValueError, match=r"final_norm was saved as torch.float32, this model holds torch.float64"):
         learner(mismatched_batch()[0]).load_state_dict({"dcp": tmp_path / "dcp", "version": 1, "skipped_steps": 0})
+
+
+@pytest.mark.torchrun
+def test_two_ranks_each_generate_half_the_groups_and_write_the_one_process_lines(tmp_path):
+    """rollout.shard_across_ranks: each rank generates its share of the step's prompt groups and the ranks gather
+    the batch. Exact on this config: rollout.draws=row (each row its own stream) and aligned execution (a row's bits
+    do not depend on the rows beside it), so the gathered batch is one process's (the batch digest check passes
+    every step) and the lines are its lines to float32 rounding of the summed gradient."""
+    exact = ["rollout.draws=row", "model.execution=aligned"]
+    one = _train(tmp_path / "one", *exact)
+    two = _train(tmp_path / "two", *exact, "rollout.shard_across_ranks=true", "train.learner_ranks=2", ranks=2)
+    _same_lines(one, two)
+    rows = 4 * 4  # rollout.prompts_per_step x rollout.group_size
+    for line in two:
+        assert line["generated_rows_max"] == rows // 2  # each rank generated 2 of the 4 groups
+        assert line["tokens"] / 2 <= line["generated_tokens_max"] < line["tokens"]
+    assert "generated_rows_max" not in one[0]

@@ -41,6 +41,7 @@ CASES = {
     "pg": ["objective.name=pg"],
     "sc+tis-ppo": ["objective.name=sc+tis", "objective.params={top_k: 8}", "train.ppo_epochs=2",
                    "train.minibatches=2"],
+    "pg-row-draws": ["objective.name=pg", "rollout.draws=row"],  # each row its own stream (sharded generation)
 }
 needs_two_kernel_sets = pytest.mark.skipif(not kernel_pairs(), reason="this CPU runs one kernel set only")
 

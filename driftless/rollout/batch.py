@@ -174,3 +174,39 @@ class RolloutBatch:
     def token_ages(self, current_version: int) -> torch.Tensor:
         """current version − generating version, on action tokens (the measured sampler age)."""
         return (current_version - self.version)[self.action_mask]
+
+
+# what a per-token field holds past a row's end (the sampler's own padding): concat_batches widens with it
+_PAD = {"action_mask": False, "sampler_logp": 0.0, "version": -1, "kv_version": -1, "sampler_topk_ids": 0,
+        "sampler_topk_logp": 0.0, "anchor_logp": 0.0, "sampler_routes": -1, "advantage": 0.0}
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """The rows of ``batches`` in order, as one batch, each widened to the widest with the sampler's padding
+    (``tokens``: ``pad_id``): the batch one ``generate`` call over all their prompts writes, when each row's
+    tokens do not depend on the others (``rollout.draws=row``). Every batch carries the same fields."""
+    if not batches:
+        raise ValueError("concat_batches: no batches")
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.tokens.shape[1] for b in batches)
+    changes = {}
+    for f in dataclasses.fields(RolloutBatch):
+        values = [getattr(b, f.name) for b in batches]
+        if not isinstance(values[0], torch.Tensor):
+            continue
+        if any(v is None for v in values):
+            raise ValueError(f"concat_batches: {f.name} is missing from some batches")
+        parts = []
+        for b, v in zip(batches, values):
+            if v.dim() >= 2 and v.shape[1] == b.tokens.shape[1] and v.shape[1] < width:  # per-token: [B, L, ...]
+                fill = pad_id if f.name == "tokens" else _PAD[f.name]
+                pad = torch.full((v.shape[0], width - v.shape[1], *v.shape[2:]), fill, dtype=v.dtype)
+                v = torch.cat([v, pad], dim=1)
+            parts.append(v)
+        changes[f.name] = torch.cat(parts)
+    meta = {}
+    for b in batches:
+        for key, value in b.meta.items():
+            meta.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    return batches[0].replace(**changes, meta=meta)

@@ -28,7 +28,7 @@ import torch
 
 from driftless.rollout.batch import RolloutBatch
 from driftless.rollout.engine import REFRESH_POLICIES, EndIds, assemble, check_request, prepare
-from driftless.rollout.sampling import SamplingParams, is_aligned, sampling_logprobs
+from driftless.rollout.sampling import SamplingParams, draw_rows, is_aligned, sampling_logprobs
 from driftless.rollout.snapshot import Snapshot
 
 __all__ = ["REFRESH_POLICIES", "Sampler", "Snapshot", "check_request"]
@@ -71,6 +71,12 @@ class _Routes:
             self.policy.routes = None
         rows = torch.arange(positions.shape[0])[:, None].expand_as(positions)
         self.ids[rows[keep], positions[keep]] = got[keep].to(self.ids.dtype)
+
+
+def row_uniforms(row_seeds: list[int], steps: int) -> torch.Tensor:
+    """``[B, steps]`` float64 uniforms in [0, 1), row i's from its own generator seeded ``row_seeds[i]``."""
+    return torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
+                        for s in row_seeds]) if row_seeds else torch.zeros(0, steps, dtype=torch.float64)
 
 
 def _device(policy) -> torch.device:
@@ -120,9 +126,16 @@ class Sampler(EndIds):
         weights=None,
         refresh: str = "pin",
         refresh_every: int = 8,
+        row_seeds: list[int] | None = None,
     ) -> RolloutBatch:
+        """``row_seeds``: one seed per prompt (``rollout.draws=row``): each row draws from its own stream by
+        ``draw_rows``, so a row's tokens do not depend on which rows are generated beside it (the ranks of
+        sharded generation each generate a share and get the whole batch's rows). None: one generator seeded
+        by ``seed`` draws for the whole batch (``torch.multinomial``)."""
         params, seed = prepare(self, prompts, params, max_new_tokens, seed=seed, refresh=refresh,
                                refresh_every=refresh_every)
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"row_seeds: one per prompt ({len(prompts)}), got {len(row_seeds)}")
         ctx = self.policy.max_seq_len
         plen = torch.tensor([len(p) for p in prompts])
         total = min(int(plen.max()) + max_new_tokens, ctx)
@@ -130,11 +143,20 @@ class Sampler(EndIds):
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
         limit = torch.clamp(plen + max_new_tokens, max=ctx)  # per-row end (exclusive)
-        decoded = self._decode(tokens, plen, limit, params, torch.Generator().manual_seed(seed), weights, refresh,
-                               refresh_every)
+        if row_seeds is None:
+            gen = torch.Generator().manual_seed(seed)
+
+            def draw(logq, n_step):
+                return torch.multinomial(logq.exp(), 1, generator=gen).squeeze(-1)
+        else:
+            uniforms = row_uniforms(row_seeds, max_new_tokens)  # [B, max_new_tokens]
+
+            def draw(logq, n_step):
+                return draw_rows(logq, uniforms[:, n_step])
+        decoded = self._decode(tokens, plen, limit, params, draw, weights, refresh, refresh_every)
         return self._pack(tokens, plen, decoded, params, group)
 
-    def _decode(self, tokens, plen, limit, params: SamplingParams, gen, weights, refresh: str,
+    def _decode(self, tokens, plen, limit, params: SamplingParams, draw, weights, refresh: str,
                 refresh_every: int) -> _Decoded:
         """The decode loop: prefill, then one token per step for every active row, refreshing weights per
         ``refresh``; records per step the token, log q, head, version and kv_version."""
@@ -184,7 +206,7 @@ class Sampler(EndIds):
             if params.greedy:
                 tok = logq.argmax(-1)
             else:
-                tok = torch.multinomial(logq.exp(), 1, generator=gen).squeeze(-1)
+                tok = draw(logq, n_step)
             if self.decode_latency:
                 time.sleep(self.decode_latency)
             steps["token"].append(tok)

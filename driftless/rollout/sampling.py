@@ -76,6 +76,20 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, *, exact: bo
     return exact_log_softmax(x) if exact else torch.log_softmax(x, dim=-1)
 
 
+def draw_rows(logq: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logq`` ``[B, V]`` by the inverse CDF at ``u`` ``[B]`` (uniform in [0, 1)), with the
+    masses as integer codes (``exact``'s exp, exact cumulative sums): row i's token depends on ``logq[i]`` and
+    ``u[i]`` only, never on the other rows, the batch's shape or the CPU. A token of zero mass is never drawn;
+    a mass below 2^-(52 - log2 V) of the row's largest rounds to zero (a 1e-11 share at V = 49,152)."""
+    v = logq.shape[-1]
+    x = logq.double()
+    e = exp64(x - x.max(-1, keepdim=True).values)  # -inf (outside the transform's support) -> 0
+    codes = torch.round(e * 2.0 ** (reduction_bits(v) - 1)).long()
+    cum = torch.cumsum(codes, dim=-1)  # integers below 2^52: exact in any order
+    target = torch.floor(u.double() * cum[:, -1].double()).long()
+    return torch.searchsorted(cum, target[:, None], right=True).squeeze(-1).clamp(max=v - 1)
+
+
 def is_aligned(policy) -> bool:
     """Whether ``policy`` promises trainer–inference invariance (and so wants the exact transform)."""
     return getattr(policy, "execution", "fast") == "aligned"

@@ -18,7 +18,7 @@ import torch
 
 from driftless.models.protocols import SupportsNumerics
 from driftless.objectives.advantages import group_advantages, shape_rewards
-from driftless.rollout.batch import RolloutBatch
+from driftless.rollout.batch import RolloutBatch, concat_batches
 from driftless.rollout.engine import RolloutEngine
 from driftless.rollout.sampler import Sampler
 from driftless.rollout.sampling import SamplingParams
@@ -29,6 +29,20 @@ from driftless.rollout.text import stop_lengths
 def step_seed(seed: int, step: int, salt: int) -> int:
     """The seed of one random draw of one step (salt 1: problems, 2: generation)."""
     return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
+
+
+def row_seed(seed: int, step: int, row: int) -> int:
+    """The seed of row ``row`` of step ``step``'s batch (``rollout.draws=row``): its own stream, whoever
+    generates it."""
+    return (step_seed(seed, step, 2) * 1_000_033 + row * 104_729 + 5) % (2**62)
+
+
+def share_of_groups(n_groups: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous share of a step's prompt groups (groups stay whole: advantages are per group);
+    the first ``n_groups % world`` ranks take one more."""
+    base, extra = divmod(n_groups, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
 
 
 @dataclass
@@ -49,6 +63,7 @@ class RolloutSettings:
     stop: tuple[str, ...] = ()  # stop strings (rollout.stop): a response ends with the token completing one
     model_dir: str | None = None  # vllm: the checkpoint directory the engine loads, tokenizer included (model.hf_path)
     routes: bool | None = None  # a MoE's routes: True recorded or refused (replay); None where the engine can
+    draws: str = "batch"  # batch: one generator for the step's batch | row: each row its own stream (row_seed)
 
 
 ENGINES = ("driftless", "vllm")
@@ -72,14 +87,24 @@ def make_sampler(engine: str, policy, *, head_k: int, eos_id: int | tuple[int, .
     raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
 
 
-def score_completions(task, problems, completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
-    """Each completion's task reward, and the batch mean of each named part (tasks with several rewards)."""
+def score_rows(task, problems, completions: list[str]) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """Each completion's task reward, and each named part's value per completion (tasks with several rewards)."""
     if hasattr(task, "score_batch"):
         total, parts = task.score_batch(problems, completions)
     else:
         total, parts = [task.score(p, c) for p, c in zip(problems, completions)], {}
-    means = {f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()} if len(parts) > 1 else {}
-    return torch.tensor(total, dtype=torch.float32), means
+    return torch.tensor(total, dtype=torch.float32), {name: list(v) for name, v in parts.items()}
+
+
+def part_means(parts: dict[str, list[float]]) -> dict[str, float]:
+    """The batch mean of each named reward part, logged when a task has several."""
+    return {f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()} if len(parts) > 1 else {}
+
+
+def score_completions(task, problems, completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each completion's task reward, and the batch mean of each named part (tasks with several rewards)."""
+    total, parts = score_rows(task, problems, completions)
+    return total, part_means(parts)
 
 
 class RolloutWorker:
@@ -113,11 +138,14 @@ class RolloutWorker:
         self.load(snapshot)
         return True
 
-    def produce(self, step: int, weights=None) -> tuple[RolloutBatch, dict]:
+    def produce(self, step: int, weights=None, share=None) -> tuple[RolloutBatch, dict]:
         """The batch of ``step`` (rewards and advantages filled) and the worker's metrics.
 
         ``weights``: a callable giving newer weights (a Snapshot) or None, asked during generation
-        per the refresh policy (``RolloutSettings.refresh``).
+        per the refresh policy (``RolloutSettings.refresh``). ``share``: sharded generation over learner ranks
+        (an object with ``rank``, ``world`` and ``gather(obj) -> [obj of each rank]``, the ranks' collective):
+        this worker generates and scores its rank's share of the step's prompt groups (``share_of_groups``), the
+        ranks gather the shares, and rewards, advantages and metrics are those of the whole batch, on every rank.
         """
         if self.snapshot is None:
             raise ValueError("the rollout worker has no weights: call load(snapshot) first")
@@ -131,28 +159,40 @@ class RolloutWorker:
                     self.snapshot = snapshot
                 return snapshot
         problems = self.task.sample(s.prompts_per_step, random.Random(step_seed(s.seed, step, 1)), "train")
-        encoded = [self.text.encode(p.prompt) for p in problems]
-        prompts = [ids for ids in encoded for _ in range(s.group_size)]
-        groups = [i for i in range(len(problems)) for _ in range(s.group_size)]
+        mine = share_of_groups(len(problems), share.rank, share.world) if share is not None else range(len(problems))
+        encoded = {g: self.text.encode(problems[g].prompt) for g in mine}
+        prompts = [encoded[g] for g in mine for _ in range(s.group_size)]
+        groups = [g for g in mine for _ in range(s.group_size)]
+        rows = [g * s.group_size + j for g in mine for j in range(s.group_size)]  # the rows' places in the batch
+        seeds = [row_seed(s.seed, step, r) for r in rows] if s.draws == "row" else None
         batch = self.sampler.generate(prompts, s.sampling, s.max_new_tokens, seed=step_seed(s.seed, step, 2),
                                       group=groups, weights=fetch, refresh=s.refresh,
-                                      refresh_every=s.refresh_every)
+                                      refresh_every=s.refresh_every, **({"row_seeds": seeds} if seeds else {}))
         t_generate = time.perf_counter()
         if s.reward_latency:
-            time.sleep(s.reward_latency * s.prompts_per_step)
+            time.sleep(s.reward_latency * len(mine))
         if s.stop:
             batch = batch.shorten(stop_lengths(batch, self.text, s.stop))
         completions = [self.text.decode(c) for c in batch.completions()]
-        success, parts = score_completions(self.task, [problems[g] for g in groups], completions)
+        success, parts = score_rows(self.task, [problems[g] for g in groups], completions)
+        generated = {"rows": batch.batch_size, "tokens": int(batch.action_mask.sum())}
+        if share is not None:  # every rank: the whole batch, in group order (rank r holds the r-th share)
+            shares = share.gather((batch, success, parts, generated))
+            batch = concat_batches([b for b, _, _, _ in shares], self.text.pad_id)
+            success = torch.cat([x for _, x, _, _ in shares])
+            parts = {name: [v for _, _, p, _ in shares for v in p[name]] for name in parts}
+            generated = {"rows": max(g["rows"] for *_, g in shares), "tokens": max(g["tokens"] for *_, g in shares)}
+        parts = part_means(parts)
         reward = shape_rewards(success, batch.group, s.reward_mode)
         advantage = group_advantages(reward, batch.group, s.advantage).float()
         batch = batch.replace(reward=reward.float(), advantage=advantage)
-        n_tokens = int(batch.action_mask.sum())
         metrics = {
             "reward": float(success.mean()),
             **parts,
             "response_length": float((batch.length - batch.prompt_len).float().mean()),
             "rollout_s": time.perf_counter() - t0,
-            "tokens_per_s": n_tokens / max(t_generate - t0, 1e-9),
+            "tokens_per_s": int(batch.action_mask.sum()) / max(t_generate - t0, 1e-9),  # the whole batch's
         }
+        if share is not None:  # what the busiest rank generated (sharded generation: about 1/world of the batch)
+            metrics.update(generated_rows_max=generated["rows"], generated_tokens_max=generated["tokens"])
         return batch, metrics

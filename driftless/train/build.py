@@ -278,7 +278,7 @@ def rollout_settings(config: RunConfig, parts: Parts | None = None) -> RolloutSe
                            refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
                            decode_latency=r.decode_latency, engine=r.engine, stop=tuple(r.stop),
                            model_dir=config.model.hf_path if config.model.kind == "hf" else None,
-                           routes=True if config.train.routing == "replay" else None)
+                           routes=True if config.train.routing == "replay" else None, draws=r.draws)
 
 
 def worker(config: RunConfig, state: dict, parts: Parts | None = None) -> RolloutWorker:

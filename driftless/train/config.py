@@ -196,6 +196,8 @@ class RolloutSection(_Section):
     ray_num_cpus: int | None = _at_least(None, 1)  # ray: CPUs for ray.init when no cluster is connected; None: 2
     engine: Engine = "driftless"  # driftless (built-in Sampler) | vllm (a vLLM engine; model.kind=hf, docs/vllm.md)
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends with the token that completes one
+    draws: Literal["batch", "row"] = "batch"  # batch: one generator per step's batch | row: each row its own stream
+    shard_across_ranks: bool = False  # learner ranks > 1: each rank generates its share of the groups, then gather
 
     @property
     def eta(self) -> int:
@@ -395,6 +397,26 @@ def runtime_refusal(config: RunConfig) -> str | None:
     if t.learner_ranks > 1 and rt == "ray" and t.learner_runtime != "ray":
         return (f"train.learner_ranks={t.learner_ranks} with rollout.runtime=ray runs the ranks as Ray actors: set "
                 "train.learner_runtime=ray (a local learner in the Ray driver is one process)")
+    if r.draws == "row" and r.engine != "driftless":
+        return (f"rollout.draws=row draws each row from its own stream in the built-in sampler; rollout.engine="
+                f"{r.engine} draws inside its own loop: use rollout.draws=batch")
+    if r.shard_across_ranks:
+        if t.learner_ranks == 1:
+            return ("rollout.shard_across_ranks=true shares a step's generation among learner ranks: it needs "
+                    "train.learner_ranks > 1 (under torchrun)")
+        if rt != "sync":
+            return (f"rollout.shard_across_ranks=true shares generation among torchrun's ranks with rollout.runtime="
+                    f"sync (got {rt!r}: its rollout workers are its own)")
+        if r.draws != "row":
+            return ("rollout.shard_across_ranks=true needs rollout.draws=row: a rank generates only its share of the "
+                    "rows, and each row must draw from its own stream for the ranks to gather the batch one process "
+                    "would sample")
+        if r.refresh != "pin":
+            return (f"rollout.shard_across_ranks=true with rollout.refresh={r.refresh}: a refresh mid-response is "
+                    "timed by the whole batch's decode steps; use rollout.refresh=pin")
+        if r.prompts_per_step < t.learner_ranks:
+            return (f"rollout.shard_across_ranks=true with rollout.prompts_per_step={r.prompts_per_step} < "
+                    f"train.learner_ranks={t.learner_ranks}: every rank generates at least one whole prompt group")
     if config.train.learner_runtime == "ray" and rt != "ray":
         return f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={rt!r}"
     if t.routing == "replay" and config.model.kind == "tiny" and not config.model.n_experts:

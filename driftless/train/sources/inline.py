@@ -33,6 +33,8 @@ class InlineSource:
         self.lag, self.every = config.rollout.lag, config.mismatch.staleness + 1
         self.history: dict[int, Snapshot] = {}  # lag > 0: the weights published after each step count
         self.step = 0
+        # rollout.shard_across_ranks: each learner rank generates its share of the groups, the ranks gather them
+        self.share = learner.ranks if config.rollout.shard_across_ranks else None
 
     def next(self, step: int) -> Delivery:
         self.step = step
@@ -44,7 +46,7 @@ class InlineSource:
             refreshed = due and self.worker.sync_to(self.history[max(0, step - self.lag)])
         elif due:  # publish the learner's weights to the worker (which applies its mismatch view)
             self.worker.load(self.learner.publish())
-        batch, rollout = self.worker.produce(step, weights=self._virtual_refresh(step))
+        batch, rollout = self.worker.produce(step, weights=self._virtual_refresh(step), share=self.share)
         return Delivery(step, batch, rollout, refreshed=bool(refreshed))
 
     def _virtual_refresh(self, s: int):

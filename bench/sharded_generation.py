@@ -1,0 +1,93 @@
+"""Sharded generation under torchrun (rollout.shard_across_ranks): a step's time and its generation time; prints JSON.
+
+    .venv/bin/python bench/sharded_generation.py                  # 2 rounds, 6 steps a run
+    .venv/bin/python bench/sharded_generation.py --rounds 3 --steps 8
+
+A generation-heavy config (the default TinyLM, not warm-started, so responses run to ``max_new_tokens``; 16 prompts
+x 8 samples, 40 new tokens; rollout.draws=row everywhere, so every layout samples the same batch) trained by
+``driftless train`` in four layouts, interleaved round by round on an otherwise idle machine:
+
+- ``one_1t``: one process, one thread;
+- ``ranks2_sharded``: 2 torchrun ranks x 1 thread, each generating half of the prompt groups, then gathering;
+- ``ranks2_repeated``: 2 torchrun ranks x 1 thread, each generating the whole batch (the layout before sharding);
+- ``one_2t``: one process, two threads.
+
+Per layout: the median over steps (the first step of each run left out: warm-up) of ``rollout_s`` (generation +
+scoring, on rank 0), ``step_time`` and the learner's part (``step_time - rollout_s``). The ratios: sharded against
+one process at one thread (goals: generation <= 0.6, step <= 0.65) and against one process at two threads (the same
+two cores used otherwise: goal, throughput >= 0.9 of it, i.e. a step time ratio <= 1 / 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = ["model.warm_start=false", "rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=40",
+          "rollout.draws=row", "train.eval_every=1000", "train.checkpoint_every=1000", "train.eval_problems=8"]
+LAYOUTS = {
+    "one_1t": (1, 1, []),
+    "ranks2_sharded": (2, 1, ["train.learner_ranks=2", "rollout.shard_across_ranks=true"]),
+    "ranks2_repeated": (2, 1, ["train.learner_ranks=2"]),
+    "one_2t": (1, 2, []),
+}
+
+
+def run(layout: str, steps: int, out: Path, port: int) -> list[dict]:
+    ranks, threads, extra = LAYOUTS[layout]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    args = ["-m", "driftless", "train", "configs/default.yaml", *CONFIG, f"train.steps={steps}", *extra,
+            "--run-dir", str(out), "--no-progress"]
+    if ranks > 1:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), "--master-port",
+               str(port), *args]
+    else:
+        cmd = [sys.executable, *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{layout}: {done.stderr[-2000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    samples = {name: {"rollout_s": [], "step_time": [], "learner_s": []} for name in LAYOUTS}
+    generated = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for i, name in enumerate(LAYOUTS):
+                lines = run(name, args.steps, Path(tmp) / f"{name}-{r}", 29600 + 10 * r + i)
+                for line in lines[1:]:
+                    samples[name]["rollout_s"].append(line["rollout_s"])
+                    samples[name]["step_time"].append(line["step_time"])
+                    samples[name]["learner_s"].append(line["step_time"] - line["rollout_s"])
+                if "generated_rows_max" in lines[-1]:
+                    generated[name] = {"rows_per_rank": lines[-1]["generated_rows_max"],
+                                       "tokens_busiest_rank": lines[-1]["generated_tokens_max"],
+                                       "tokens_batch": lines[-1]["tokens"]}
+    med = {name: {k: round(statistics.median(v), 4) for k, v in s.items()} for name, s in samples.items()}
+    one, sharded, two = med["one_1t"], med["ranks2_sharded"], med["one_2t"]
+    print(json.dumps({
+        "bench": "sharded_generation", "cpu": platform.processor() or platform.machine(), "rounds": args.rounds,
+        "steps": args.steps, "config": CONFIG, "median_s": med, "generated": generated,
+        "ratios": {
+            "generation_sharded_over_one_1t": round(sharded["rollout_s"] / one["rollout_s"], 3),
+            "step_sharded_over_one_1t": round(sharded["step_time"] / one["step_time"], 3),
+            "step_repeated_over_one_1t": round(med["ranks2_repeated"]["step_time"] / one["step_time"], 3),
+            "throughput_sharded_over_one_2t": round(two["step_time"] / sharded["step_time"], 3),
+        }}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
