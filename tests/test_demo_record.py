@@ -18,10 +18,10 @@ from driftless.experiments.demo import (
     METHODS,
     RECORD,
     differences,
+    late_reward,
     method_overrides,
     numbers_table,
     readme_numbers,
-    late_reward,
     story,
     story_summary,
 )

@@ -96,7 +96,7 @@ def _check(setting: str, run: Run, lines: list[dict]) -> None:
         pids = [r["worker_pid"] for r in lines]
         assert len(set(pids)) == 2 and pids[0::2] == [pids[0]] * (STEPS // 2)
     elif setting == "learner":
-        from driftless.train.sources.ray import RemoteLearner
+        from driftless.train.learners import RemoteLearner
 
         assert isinstance(run.learner, RemoteLearner)
 

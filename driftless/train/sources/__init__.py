@@ -28,9 +28,9 @@ import torch
 
 from driftless.rollout import RolloutBatch, Snapshot
 from driftless.train import build
+from driftless.train.raycluster import WAIT_S  # noqa: F401 -- the longest any wait may take (the runtimes import it here)
 
-WAIT_S = 600.0  # the longest any wait may take before the run fails (nothing waits forever)
-MAX_FAILURES = 3  # a remote worker dying this often in a row without a batch fails the run  # the longest any wait may take before the run fails (nothing waits forever)
+MAX_FAILURES = 3  # a remote worker dying this often in a row without a batch fails the run
 
 
 @dataclass
@@ -77,16 +77,6 @@ def register(runtime: str):
         SOURCES[runtime] = cls
         return cls
     return add
-
-
-def make_learner(config, state: dict, parts=None):
-    """The run's learner: a Learner in this process, or (``train.learner_runtime=ray``) a RemoteLearner whose ranks
-    are Ray actors. The run builds it once and hands it to its source."""
-    if config.train.learner_runtime == "ray":
-        from driftless.train.sources.ray import remote_learner
-
-        return remote_learner(config, state, parts)
-    return build.learner(config, state, parts)
 
 
 def make_source(config, state: dict, learner, parts=None) -> RolloutSource:

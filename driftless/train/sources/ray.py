@@ -10,9 +10,9 @@ actor s mod N, and actors are spread over the cluster's nodes (``SPREAD``).
   actor's batches are produced one at a time)
   and a response in progress picks it up at its next refresh check (PipelineRL-style in-flight
   updates; per-token ``version`` / ``kv_version`` recorded as on the thread runtime).
-- **The learner** (``train.learner_runtime``): ``local`` keeps it in the driver; ``ray`` puts it
-  in an actor of its own (``RemoteLearner``): the weights then never pass through the driver,
-  which fetches them only to evaluate and to checkpoint.
+- **The learner** (``train.learner_runtime``, built by the run: ``train.learners``): ``local`` keeps it in the
+  driver; ``ray`` puts its ranks in actors of their own (``RemoteLearner``): the weights then never pass through
+  the driver, which fetches them only to evaluate and to checkpoint.
 - **Resources and waits**: ``ray.init(num_cpus=rollout.ray_num_cpus)`` when no cluster is
   connected (``RAY_ADDRESS`` or an earlier ``ray.init`` joins one unchanged); every actor asks
   for one CPU, a cluster with fewer CPUs than actors is refused at start, and every ``ray.get``
@@ -38,15 +38,8 @@ import torch
 
 from driftless.rollout import Snapshot
 from driftless.train import build
-from driftless.train.sources import WAIT_S, Delivery, Dispatch, register
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError as err:
-        raise ValueError("rollout.runtime=ray needs Ray: pip install 'driftless[ray]'") from err
-    return ray
+from driftless.train.raycluster import WAIT_S, init_ray, ray_module
+from driftless.train.sources import Delivery, Dispatch, register
 
 
 def object_store_usage(ray) -> tuple[int, int]:
@@ -102,175 +95,10 @@ def _actor_class(ray):
     return RolloutActor
 
 
-def _learner_actor_class(ray, gpus: int = 0):
-    @ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)
-    class LearnerActor:
-        """One learner rank. ``address()`` (rank 0 only) names the rendezvous; ``setup`` sets the environment
-        torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and builds the learner, whose
-        ``Ranks.from_env`` then joins the process group exactly as under torchrun."""
-
-        def __init__(self, threads: int):
-            torch.set_num_threads(threads)
-            self.learner = None
-
-        def address(self) -> tuple[str, int]:
-            import socket
-
-            import ray as ray_
-
-            with socket.socket() as s:  # a free port on this node for the process group's store
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            return ray_.util.get_node_ip_address(), port
-
-        def setup(self, config, state, rank: int, world: int, address: tuple[str, int]) -> int:
-            if world > 1:  # a GPU actor sees only its own device (Ray sets CUDA_VISIBLE_DEVICES): LOCAL_RANK 0
-                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                                  MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
-            self.learner = build.learner(config, state)
-            return os.getpid()
-
-        def update(self, batch):
-            metrics = self.learner.update(batch) if batch is not None else {}
-            return metrics, self.learner.version, self.learner.skipped_steps
-
-        def publish(self):
-            return self.learner.publish()
-
-        def state_dict(self):
-            return self.learner.whole_state_dict()
-
-        def load_state_dict(self, state):
-            self.learner.load_state_dict(state)
-            return self.learner.version, self.learner.skipped_steps
-
-        def close(self) -> None:
-            self.learner.ranks.close()
-
-    return LearnerActor
-
-
-def learner_gpus(ray, config) -> int:
-    """GPUs each learner actor asks for: one with ``train.device=cuda``, or with ``auto`` when the cluster has one
-    per rank (aligned execution runs on the CPU)."""
-    t = config.train
-    if t.device == "cuda":
-        return 1
-    if t.device == "auto" and config.model.execution != "aligned":
-        return int(ray.cluster_resources().get("GPU", 0) >= t.learner_ranks)
-    return 0
-
-
-class RemoteLearner:
-    """The Learner's interface (update, publish, version, policy, state) over ``train.learner_ranks`` learner
-    ranks in Ray actors (the pattern verl uses: one actor a rank, the torchrun environment set in each).
-
-    Every rank receives the whole batch (one object in the store) and trains on its share of the rows, as under
-    torchrun; the metrics are rank 0's (the whole batch's: driftless.train.ranks). Every call goes to every rank
-    (FSDP's gathers are collectives) and rank 0's answer is kept. ``publish_ref()`` leaves rank 0's snapshot in
-    the object store (what rollout actors receive); ``policy`` is a local copy refreshed from it when read after
-    an update (evaluation). Checkpoints are one process's (whole model, optimizer keyed by parameter index),
-    gathered by the ranks one tensor at a time: a run resumes on any number of ranks and runtimes.
-    """
-
-    def __init__(self, ray, config, state, *, threads: int = 1, tokenizer=None):
-        self.ray, self.policy_copy = ray, build.policy(config, state, tokenizer)
-        world = config.train.learner_ranks
-        cls = _learner_actor_class(ray, learner_gpus(ray, config))
-        if world > 1:
-            cls = cls.options(scheduling_strategy="SPREAD")
-        self.actors = [cls.remote(threads) for _ in range(world)]
-        address = self._get(self.actors[0].address.remote(), "its address") if world > 1 else ("", 0)
-        ref = ray.put(state)  # the initial weights once in the store, not once per rank
-        self.pids = self._get([a.setup.remote(config, ref, rank, world, address) for rank, a in
-                               enumerate(self.actors)], "its set-up")
-        self.version, self.skipped_steps = 0, 0
-        self._copy_version: int | None = None
-
-    @property
-    def actor(self):
-        """Rank 0's actor."""
-        return self.actors[0]
-
-    def _get(self, ref, what: str):
-        try:
-            return self.ray.get(ref, timeout=WAIT_S)
-        except self.ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"the learner actor did not answer {what} within {WAIT_S} s") from None
-        except self.ray.exceptions.RayActorError as err:
-            raise RuntimeError(f"the learner actor died during {what}; resume the run from its last checkpoint "
-                               "(--resume)") from err
-
-    def _all(self, method: str, *args) -> list:
-        return [getattr(a, method).remote(*args) for a in self.actors]
-
-    def update(self, batch) -> dict:
-        ref = self.ray.put(batch) if len(self.actors) > 1 else batch
-        answers = self._get(self._all("update", ref), "an update")
-        metrics, self.version, self.skipped_steps = answers[0]
-        return metrics
-
-    def publish_ref(self):
-        return self._all("publish")[0]  # every rank takes part (FSDP gathers); rank 0's copy is kept
-
-    def publish(self) -> Snapshot:
-        return self._get(self.publish_ref(), "a publish")
-
-    @property
-    def policy(self):
-        if self._copy_version != self.version:
-            self.policy_copy.load_state_dict(self.publish().state)
-            self._copy_version = self.version
-        return self.policy_copy
-
-    def state_dict(self) -> dict:
-        return self._get(self._all("state_dict"), "a checkpoint")[0]
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("dcp") is not None:
-            raise ValueError(f"{state['dcp']} holds a torch.distributed.checkpoint folder (a run saved under "
-                             "torchrun): resume it under torchrun; Ray learner ranks save and resume one "
-                             "process's checkpoints")
-        ref = self.ray.put(state)
-        self.version, self.skipped_steps = self._get(self._all("load_state_dict", ref), "a resume")[0]
-        self._copy_version = None
-
-    def close(self) -> None:
-        """Stop the actors, keeping the final weights in ``policy`` (readable after the run)."""
-        try:
-            self.policy  # noqa: B018 -- refreshes the local copy
-        except RuntimeError:  # the actor is already gone: the copy keeps what it last had
-            pass
-        for actor in self.actors:
-            self.ray.kill(actor)
-
-
-def remote_learner(config, state: dict, parts=None) -> RemoteLearner:
-    """``train.learner_runtime=ray``: the learner's ranks as Ray actors (the cluster checked for the rollout actors
-    and learner actors together)."""
-    ray = _ray()
-    init_ray(ray, config)
-    return RemoteLearner(ray, config, state, tokenizer=parts.tokenizer if parts is not None else None)
-
-
-def init_ray(ray, config) -> None:
-    """Start (or join) Ray, and refuse a cluster with fewer CPUs than the run's actors, by name."""
-    r = config.rollout
-    if not ray.is_initialized():
-        ray.init(num_cpus=r.ray_cpus, include_dashboard=False, log_to_driver=False)
-    learners = config.train.learner_ranks if config.train.learner_runtime == "ray" else 0
-    workers = r.workers if r.runtime == "ray" else 0
-    need, have = workers + learners, ray.cluster_resources().get("CPU", 0)
-    if have < need:
-        what = {0: "", 1: " and a learner actor"}.get(learners, f" and {learners} learner actors")
-        raise ValueError(f"the Ray cluster has {have:g} CPUs; rollout.workers={r.workers} rollout actors"
-                         f"{what} need {need} (raise rollout.ray_num_cpus or connect a larger cluster)")
-
-
 @register("ray")
 class RaySource:
     def __init__(self, config, state: dict, learner, parts: build.Parts):
-        self.ray = _ray()
+        self.ray = ray_module()
         self.config = config
         self.bound = config.rollout.eta
         self.refresh = config.rollout.refresh != "pin"
@@ -296,7 +124,7 @@ class RaySource:
         return cls.remote(self.config, self.learner.policy.state_dict(), 1)
 
     def _put(self):
-        if isinstance(self.learner, RemoteLearner):
+        if hasattr(self.learner, "publish_ref"):  # a RemoteLearner (train.learners)
             return self.learner.publish_ref()  # from the learner actor into the store, never through the driver
         return self.ray.put(self.learner.publish())
 
@@ -347,7 +175,7 @@ class RaySource:
         pass  # actors start from the learner's weights when the run continues
 
     def close(self) -> None:
-        if isinstance(self.learner, RemoteLearner):
+        if hasattr(self.learner, "publish_ref"):  # a RemoteLearner (train.learners)
             self.learner.close()
         for actor in self.actors:
             self.ray.kill(actor)
