@@ -144,7 +144,11 @@ def _check_text(config: RunConfig) -> None:
 
 def check(config: RunConfig, parts: Parts | None = None) -> RunConfig:
     """Refuse, by name, what the domain cannot build from ``config`` (before anything runs); what it builds is
-    kept in ``parts`` when given (the run's own, so that nothing is built twice)."""
+    kept in ``parts`` when given (the run's own, so that nothing is built twice). The config's cross-field rules
+    were checked when it was made (``config.RULES``); these are what this machine and its packages can do."""
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU "
+                         "visible): use train.device=cpu or auto")
     _check_text(config)
     parts = parts or Parts(config)
     for section, name in (("task", "task"), ("objective", "objective"), ("mismatch.view", "view"),

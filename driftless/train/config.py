@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 
@@ -330,114 +330,161 @@ class RunConfig:
         return behind + 1 if behind else 0
 
 
-def runtime_refusal(config: RunConfig) -> str | None:
-    """Why ``config`` asks a runtime for something it does not do (None: every setting is honoured).
+@dataclass(frozen=True)
+class Rule:
+    """One cross-field refusal: ``when`` the config asks for it, ``why`` says so naming ``keys`` (each rule exists
+    once, here, checked once when a config is made; capabilities of this machine are ``build.check``'s)."""
 
-    The matrix (docs/async.md): lag and mismatch.staleness are the synchronous runtime's
-    virtual clock; the asynchronous runtimes' staleness comes from timing, bounded by η. In-flight
-    refresh needs newer weights to arrive mid-response: an asynchronous runtime, or sync with a lag.
-    """
-    r, rt = config.rollout, config.rollout.runtime
-    if config.asynchronous:
-        if r.lag:
-            return (f"rollout.lag={r.lag} is the sync runtime's virtual clock; with rollout.runtime={rt} staleness "
-                    "comes from timing, bounded by rollout.staleness_bound (or use rollout.runtime=sync)")
-        if config.mismatch.staleness:
-            return (f"mismatch.staleness={config.mismatch.staleness} refreshes a synchronous sampler every "
-                    f"staleness + 1 steps; with rollout.runtime={rt} use rollout.staleness_bound (or rollout.runtime=sync)")
-    else:
-        if r.refresh != "pin" and not r.lag:
-            return (f"rollout.refresh={r.refresh} needs newer weights to arrive mid-response: with "
-                    "rollout.runtime=sync set rollout.lag >= 1, or use rollout.runtime=thread|process|ray")
-        if r.refresh != "pin" and config.mismatch.staleness:
-            return (f"rollout.refresh={r.refresh} with mismatch.staleness={config.mismatch.staleness}: the sampler "
-                    "would not know which version is next; use rollout.lag alone with in-flight refresh")
-        if r.staleness_bound is not None:
-            return (f"rollout.staleness_bound={r.staleness_bound} bounds the asynchronous runtimes; with "
+    name: str
+    keys: tuple[str, ...]
+    when: Callable[[RunConfig], bool]
+    why: Callable[[RunConfig], str]
+
+
+def _fsdp_versions(c: RunConfig) -> str:
+    return (f"train.parallel=fsdp keeps no past versions' weights for Eq. 1 (this run needs {c.versions_to_keep()}: "
+            "lag or staleness); set diagnostics.decomposition=false or train.parallel=ddp")
+
+
+def _dense(c: RunConfig) -> bool:
+    return c.model.kind == "tiny" and not c.model.n_experts
+
+
+# The rule table (docs/async.md has the runtime matrix): in the order a config is checked, the first one tripped is
+# the refusal. The asynchronous runtimes' staleness comes from timing, bounded by η; lag and mismatch.staleness are
+# the synchronous runtime's virtual clock; in-flight refresh needs newer weights to arrive mid-response.
+RULES: tuple[Rule, ...] = (
+    Rule("lag-is-sync", ("rollout.lag", "rollout.runtime"), lambda c: c.asynchronous and c.rollout.lag > 0,
+         lambda c: (f"rollout.lag={c.rollout.lag} is the sync runtime's virtual clock; with rollout.runtime="
+                    f"{c.rollout.runtime} staleness comes from timing, bounded by rollout.staleness_bound (or use "
+                    "rollout.runtime=sync)")),
+    Rule("staleness-is-sync", ("mismatch.staleness", "rollout.runtime"),
+         lambda c: c.asynchronous and c.mismatch.staleness > 0,
+         lambda c: (f"mismatch.staleness={c.mismatch.staleness} refreshes a synchronous sampler every staleness + 1 "
+                    f"steps; with rollout.runtime={c.rollout.runtime} use rollout.staleness_bound (or "
+                    "rollout.runtime=sync)")),
+    Rule("sync-refresh-needs-lag", ("rollout.refresh", "rollout.lag"),
+         lambda c: not c.asynchronous and c.rollout.refresh != "pin" and not c.rollout.lag,
+         lambda c: (f"rollout.refresh={c.rollout.refresh} needs newer weights to arrive mid-response: with "
+                    "rollout.runtime=sync set rollout.lag >= 1, or use rollout.runtime=thread|process|ray")),
+    Rule("sync-refresh-without-staleness", ("rollout.refresh", "mismatch.staleness"),
+         lambda c: not c.asynchronous and c.rollout.refresh != "pin" and c.mismatch.staleness > 0,
+         lambda c: (f"rollout.refresh={c.rollout.refresh} with mismatch.staleness={c.mismatch.staleness}: the "
+                    "sampler would not know which version is next; use rollout.lag alone with in-flight refresh")),
+    Rule("staleness-bound-is-async", ("rollout.staleness_bound", "rollout.runtime"),
+         lambda c: not c.asynchronous and c.rollout.staleness_bound is not None,
+         lambda c: (f"rollout.staleness_bound={c.rollout.staleness_bound} bounds the asynchronous runtimes; with "
                     "rollout.runtime=sync the staleness is rollout.lag (+ mismatch.staleness): use those, or "
-                    "rollout.runtime=thread|process|ray")
-    if r.refresh == "pin" and r.refresh_every is not None:
-        return f"rollout.refresh_every={r.refresh_every} needs rollout.refresh=recompute or retain (pin never refreshes)"
-    if r.workers > 1 and rt not in ("process", "ray"):
-        return f"rollout.workers={r.workers} needs rollout.runtime=process or ray (got {rt!r})"
-    if r.ray_num_cpus is not None and rt != "ray":
-        return f"rollout.ray_num_cpus={r.ray_num_cpus} sizes a local Ray cluster; it needs rollout.runtime=ray (got {rt!r})"
-    if config.train.reproducible:
-        why = reproducible_refusal(config)
-        if why:
-            return why
-    if config.train.precision == "bf16" and config.model.execution == "aligned":
-        return ("train.precision=bf16 with model.execution=aligned: aligned execution is float32 by construction "
-                "(its bits are the promise); use train.precision=fp32 or model.execution=fast")
-    t = config.train
-    if t.device == "cuda":
-        import torch
+                    "rollout.runtime=thread|process|ray")),
+    Rule("refresh-every-needs-refresh", ("rollout.refresh_every", "rollout.refresh"),
+         lambda c: c.rollout.refresh == "pin" and c.rollout.refresh_every is not None,
+         lambda c: (f"rollout.refresh_every={c.rollout.refresh_every} needs rollout.refresh=recompute or retain (pin "
+                    "never refreshes)")),
+    Rule("workers-need-processes", ("rollout.workers", "rollout.runtime"),
+         lambda c: c.rollout.workers > 1 and c.rollout.runtime not in ("process", "ray"),
+         lambda c: f"rollout.workers={c.rollout.workers} needs rollout.runtime=process or ray (got {c.rollout.runtime!r})"),
+    Rule("ray-cpus-need-ray", ("rollout.ray_num_cpus", "rollout.runtime"),
+         lambda c: c.rollout.ray_num_cpus is not None and c.rollout.runtime != "ray",
+         lambda c: (f"rollout.ray_num_cpus={c.rollout.ray_num_cpus} sizes a local Ray cluster; it needs "
+                    f"rollout.runtime=ray (got {c.rollout.runtime!r})")),
+    Rule("reproducible", ("train.reproducible",), lambda c: c.train.reproducible and bool(reproducible_refusal(c)),
+         lambda c: reproducible_refusal(c)),
+    Rule("bf16-is-not-aligned", ("train.precision", "model.execution"),
+         lambda c: c.train.precision == "bf16" and c.model.execution == "aligned",
+         lambda c: ("train.precision=bf16 with model.execution=aligned: aligned execution is float32 by construction "
+                    "(its bits are the promise); use train.precision=fp32 or model.execution=fast")),
+    Rule("cuda-is-not-aligned", ("train.device", "model.execution"),
+         lambda c: c.train.device == "cuda" and c.model.execution == "aligned",
+         lambda c: ("train.device=cuda with model.execution=aligned: aligned execution runs driftless's own CPU "
+                    "kernels (its bits are the promise); use train.device=cpu or model.execution=fast")),
+    Rule("fsdp-is-not-aligned", ("train.parallel", "model.execution"),
+         lambda c: c.train.parallel == "fsdp" and c.model.execution == "aligned",
+         lambda c: ("train.parallel=fsdp with model.execution=aligned: FSDP's collectives sum in their own order; "
+                    "use train.parallel=ddp or model.execution=fast")),
+    Rule("fsdp-reads-no-whole-weights", ("train.parallel", "mismatch.trainer_numerics"),
+         lambda c: c.train.parallel == "fsdp" and c.mismatch.trainer_numerics != "fp",
+         lambda c: (f"train.parallel=fsdp with mismatch.trainer_numerics={c.mismatch.trainer_numerics!r}: the "
+                    "trainer's fake-quantized views read whole weights, which FSDP shards; use train.parallel=ddp")),
+    Rule("fsdp-needs-ranks", ("train.parallel", "train.learner_ranks"),
+         lambda c: c.train.parallel == "fsdp" and c.train.learner_ranks == 1,
+         lambda c: "train.parallel=fsdp shards over learner ranks: it needs train.learner_ranks > 1 (under torchrun)"),
+    Rule("fsdp-keeps-no-versions", ("train.parallel", "diagnostics.decomposition"),
+         lambda c: c.train.parallel == "fsdp" and c.diagnostics.decomposition and c.versions_to_keep() > 0,
+         _fsdp_versions),
+    Rule("ranks-need-torchrun-or-ray", ("train.learner_ranks", "rollout.runtime"),
+         lambda c: c.train.learner_ranks > 1 and c.rollout.runtime not in ("sync", "ray"),
+         lambda c: (f"train.learner_ranks={c.train.learner_ranks} runs under torchrun with rollout.runtime=sync, or "
+                    "as Ray actors with rollout.runtime=ray and train.learner_runtime=ray (got rollout.runtime="
+                    f"{c.rollout.runtime!r})")),
+    Rule("ray-ranks-are-actors", ("train.learner_ranks", "train.learner_runtime"),
+         lambda c: c.train.learner_ranks > 1 and c.rollout.runtime == "ray" and c.train.learner_runtime != "ray",
+         lambda c: (f"train.learner_ranks={c.train.learner_ranks} with rollout.runtime=ray runs the ranks as Ray "
+                    "actors: set train.learner_runtime=ray (a local learner in the Ray driver is one process)")),
+    Rule("row-draws-are-the-built-in-samplers", ("rollout.draws", "rollout.engine"),
+         lambda c: c.rollout.draws == "row" and c.rollout.engine != "driftless",
+         lambda c: (f"rollout.draws=row draws each row from its own stream in the built-in sampler; rollout.engine="
+                    f"{c.rollout.engine} draws inside its own loop: use rollout.draws=batch")),
+    Rule("sharding-needs-ranks", ("rollout.shard_across_ranks", "train.learner_ranks"),
+         lambda c: c.rollout.shard_across_ranks and c.train.learner_ranks == 1,
+         lambda c: ("rollout.shard_across_ranks=true shares a step's generation among learner ranks: it needs "
+                    "train.learner_ranks > 1 (under torchrun)")),
+    Rule("sharding-is-torchruns", ("rollout.shard_across_ranks", "rollout.runtime"),
+         lambda c: c.rollout.shard_across_ranks and c.rollout.runtime != "sync",
+         lambda c: ("rollout.shard_across_ranks=true shares generation among torchrun's ranks with rollout.runtime="
+                    f"sync (got {c.rollout.runtime!r}: its rollout workers are its own)")),
+    Rule("sharding-needs-row-draws", ("rollout.shard_across_ranks", "rollout.draws"),
+         lambda c: c.rollout.shard_across_ranks and c.rollout.draws != "row",
+         lambda c: ("rollout.shard_across_ranks=true needs rollout.draws=row: a rank generates only its share of "
+                    "the rows, and each row must draw from its own stream for the ranks to gather the batch one "
+                    "process would sample")),
+    Rule("sharding-pins-weights", ("rollout.shard_across_ranks", "rollout.refresh"),
+         lambda c: c.rollout.shard_across_ranks and c.rollout.refresh != "pin",
+         lambda c: (f"rollout.shard_across_ranks=true with rollout.refresh={c.rollout.refresh}: a refresh "
+                    "mid-response is timed by the whole batch's decode steps; use rollout.refresh=pin")),
+    Rule("sharding-needs-a-group-a-rank", ("rollout.shard_across_ranks", "rollout.prompts_per_step"),
+         lambda c: c.rollout.shard_across_ranks and c.rollout.prompts_per_step < c.train.learner_ranks,
+         lambda c: (f"rollout.shard_across_ranks=true with rollout.prompts_per_step={c.rollout.prompts_per_step} < "
+                    f"train.learner_ranks={c.train.learner_ranks}: every rank generates at least one whole prompt "
+                    "group")),
+    Rule("ray-learner-needs-ray", ("train.learner_runtime", "rollout.runtime"),
+         lambda c: c.train.learner_runtime == "ray" and c.rollout.runtime != "ray",
+         lambda c: f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={c.rollout.runtime!r}"),
+    Rule("replay-needs-experts", ("train.routing", "model.n_experts"),
+         lambda c: c.train.routing == "replay" and _dense(c),
+         lambda c: ("train.routing=replay replays a mixture of experts' recorded expert ids: it needs "
+                    f"model.n_experts > 0 (got {c.model.n_experts}, a dense model)")),
+    Rule("router-noise-needs-experts", ("mismatch.view", "model.n_experts"),
+         lambda c: "router-noise:" in c.mismatch.view and _dense(c),
+         lambda c: (f"mismatch.view={c.mismatch.view} perturbs a mixture of experts' routers: it needs "
+                    f"model.n_experts > 0 (got {c.model.n_experts}, a dense model); use noise:SCALE")),
+    Rule("vllm-runs-in-the-driver", ("rollout.engine", "rollout.runtime"),
+         lambda c: c.rollout.engine == "vllm" and c.rollout.runtime not in ("sync", "thread"),
+         lambda c: ("rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), got "
+                    f"rollout.runtime={c.rollout.runtime!r}")),
+    Rule("vllm-decodes-itself", ("rollout.engine", "rollout.decode_latency"),
+         lambda c: c.rollout.engine == "vllm" and c.rollout.decode_latency > 0,
+         lambda c: (f"rollout.decode_latency={c.rollout.decode_latency} is not supported by rollout.engine=vllm (its "
+                    "decode loop runs inside vLLM); use rollout.engine=driftless")),
+    Rule("vllm-pins-weights", ("rollout.engine", "rollout.refresh"),
+         lambda c: c.rollout.engine == "vllm" and c.rollout.refresh != "pin",
+         lambda c: (f"rollout.refresh={c.rollout.refresh!r} is not supported by rollout.engine=vllm (it cannot swap "
+                    "weights inside one generate call); use pin")),
+    Rule("vllm-runs-transformers", ("rollout.engine", "model.kind"),
+         lambda c: c.rollout.engine == "vllm" and c.model.kind != "hf",
+         lambda c: f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), got {c.model.kind!r}"),
+)
 
-        if not torch.cuda.is_available():
-            return ("train.device=cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU "
-                    "visible): use train.device=cpu or auto")
-    if t.device == "cuda" and config.model.execution == "aligned":
-        return ("train.device=cuda with model.execution=aligned: aligned execution runs driftless's own CPU kernels "
-                "(its bits are the promise); use train.device=cpu or model.execution=fast")
-    if t.parallel == "fsdp" and config.model.execution == "aligned":
-        return ("train.parallel=fsdp with model.execution=aligned: FSDP's collectives sum in their own order; "
-                "use train.parallel=ddp or model.execution=fast")
-    if t.parallel == "fsdp" and config.mismatch.trainer_numerics != "fp":
-        return (f"train.parallel=fsdp with mismatch.trainer_numerics={config.mismatch.trainer_numerics!r}: the "
-                "trainer's fake-quantized views read whole weights, which FSDP shards; use train.parallel=ddp")
-    if t.parallel == "fsdp" and t.learner_ranks == 1:
-        return "train.parallel=fsdp shards over learner ranks: it needs train.learner_ranks > 1 (under torchrun)"
-    if t.parallel == "fsdp" and config.diagnostics.decomposition and config.versions_to_keep():
-        return (f"train.parallel=fsdp keeps no past versions' weights for Eq. 1 (this run needs "
-                f"{config.versions_to_keep()}: lag or staleness); set diagnostics.decomposition=false or "
-                "train.parallel=ddp")
-    if t.learner_ranks > 1 and rt not in ("sync", "ray"):
-        return (f"train.learner_ranks={t.learner_ranks} runs under torchrun with rollout.runtime=sync, or as Ray "
-                f"actors with rollout.runtime=ray and train.learner_runtime=ray (got rollout.runtime={rt!r})")
-    if t.learner_ranks > 1 and rt == "ray" and t.learner_runtime != "ray":
-        return (f"train.learner_ranks={t.learner_ranks} with rollout.runtime=ray runs the ranks as Ray actors: set "
-                "train.learner_runtime=ray (a local learner in the Ray driver is one process)")
-    if r.draws == "row" and r.engine != "driftless":
-        return (f"rollout.draws=row draws each row from its own stream in the built-in sampler; rollout.engine="
-                f"{r.engine} draws inside its own loop: use rollout.draws=batch")
-    if r.shard_across_ranks:
-        if t.learner_ranks == 1:
-            return ("rollout.shard_across_ranks=true shares a step's generation among learner ranks: it needs "
-                    "train.learner_ranks > 1 (under torchrun)")
-        if rt != "sync":
-            return (f"rollout.shard_across_ranks=true shares generation among torchrun's ranks with rollout.runtime="
-                    f"sync (got {rt!r}: its rollout workers are its own)")
-        if r.draws != "row":
-            return ("rollout.shard_across_ranks=true needs rollout.draws=row: a rank generates only its share of the "
-                    "rows, and each row must draw from its own stream for the ranks to gather the batch one process "
-                    "would sample")
-        if r.refresh != "pin":
-            return (f"rollout.shard_across_ranks=true with rollout.refresh={r.refresh}: a refresh mid-response is "
-                    "timed by the whole batch's decode steps; use rollout.refresh=pin")
-        if r.prompts_per_step < t.learner_ranks:
-            return (f"rollout.shard_across_ranks=true with rollout.prompts_per_step={r.prompts_per_step} < "
-                    f"train.learner_ranks={t.learner_ranks}: every rank generates at least one whole prompt group")
-    if config.train.learner_runtime == "ray" and rt != "ray":
-        return f"train.learner_runtime=ray needs rollout.runtime=ray, got rollout.runtime={rt!r}"
-    if t.routing == "replay" and config.model.kind == "tiny" and not config.model.n_experts:
-        return ("train.routing=replay replays a mixture of experts' recorded expert ids: it needs model.n_experts "
-                f"> 0 (got {config.model.n_experts}, a dense model)")
-    if "router-noise:" in config.mismatch.view and config.model.kind == "tiny" and not config.model.n_experts:
-        return (f"mismatch.view={config.mismatch.view} perturbs a mixture of experts' routers: it needs "
-                f"model.n_experts > 0 (got {config.model.n_experts}, a dense model); use noise:SCALE")
-    if r.engine == "vllm":
-        if rt not in ("sync", "thread"):
-            return (f"rollout.engine=vllm runs in the driver's process (rollout.runtime=sync or thread), "
-                    f"got rollout.runtime={rt!r}")
-        if r.decode_latency:
-            return (f"rollout.decode_latency={r.decode_latency} is not supported by rollout.engine=vllm (its decode "
-                    "loop runs inside vLLM); use rollout.engine=driftless")
-        if r.refresh != "pin":
-            return (f"rollout.refresh={r.refresh!r} is not supported by rollout.engine=vllm (it cannot swap weights "
-                    "inside one generate call); use pin")
-        if config.model.kind != "hf":
-            return f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), got {config.model.kind!r}"
-    return None
+
+def refusals(config: RunConfig) -> list[Rule]:
+    """Every rule ``config`` trips, in the table's order."""
+    return [rule for rule in RULES if rule.when(config)]
+
+
+def runtime_refusal(config: RunConfig) -> str | None:
+    """Why ``config`` asks for something a runtime or setting does not do: the first rule it trips (None: every
+    setting is honoured)."""
+    tripped = refusals(config)
+    return tripped[0].why(config) if tripped else None
 
 
 def reproducible_refusal(config: RunConfig) -> str | None:

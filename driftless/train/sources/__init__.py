@@ -15,7 +15,7 @@ the workers start from and the run's parts; a source never builds a learner of i
 Adding a runtime: write one module with a class following ``RolloutSource`` (constructed as
 ``Source(config, state, learner, parts)``), decorate it with ``@register(name)``, import the module
 at the foot of this file, and add the name to ``Runtime`` in driftless.train.config (a test keeps
-the two equal); say in ``runtime_refusal`` which settings it does not honour.
+the two equal); add the settings it does not honour to ``config.RULES``.
 """
 
 from __future__ import annotations
