@@ -133,7 +133,7 @@ def test_a_bad_line_in_a_record_is_named_by_file_and_line(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["train", "missing.yaml"], "driftless: error: config file missing.yaml does not exist"),
     (["train", "{bad}"], "driftless: error: config file {bad}, line 2, column 1: not valid YAML"),
-    (["train", "configs/default.yaml", "optim.lrr=1"], "driftless: error: unknown config key optim.'lrr'"),
+    (["train", "configs/default.yaml", "optim.lrr=1"], "driftless: error: unknown config key optim.lrr: did you mean optim.lr?"),
     (["report", "nowhere"], "driftless: error: nowhere is not a directory"),
     (["eval", "nowhere"], "driftless: error: "),
 ])

@@ -38,7 +38,7 @@ def lines(run_dir):
 
 
 def test_bad_experiments_are_refused_by_name_before_any_trial(tmp_path):
-    with pytest.raises(ValueError, match="unknown config key objective.'nmae'"):
+    with pytest.raises(ValueError, match=r"unknown config key objective.nmae: did you mean objective.name\?"):
         load_experiment(experiment(tmp_path, {"objective.nmae": ["pg"]}))
     with pytest.raises(ValueError, match="trial 'objective.name=nope'.*unknown objective preset 'nope'"):
         load_experiment(experiment(tmp_path, {"objective.name": ["pg", "nope"]}))

@@ -97,8 +97,8 @@ def test_tokenizer_roundtrip():
 
 # ---------------------------------------------------------------- config
 @pytest.mark.parametrize("override,match", [
-    ("objective.nme=pg", "unknown config key objective.'nme'"),
-    ("trian.steps=3", "unknown config key 'trian'"),
+    ("objective.nme=pg", "unknown config key objective.nme: did you mean objective.name"),
+    ("trian.steps=3", "unknown config key trian: did you mean train"),
     ("train.steps=0", "train.steps must be a positive integer"),
     ("train.steps=abc", "train.steps must be an integer"),
     ("optim.lr=-1", "optim.lr must be > 0"),

@@ -15,6 +15,7 @@ The dataclass defaults are the learning reference: ``configs/default.yaml`` writ
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Callable
@@ -544,7 +545,9 @@ def _build(cls, data: dict, prefix: str):
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ValueError(f"unknown config key {where}{unknown[0]!r}; known keys: {', '.join(sorted(names))}")
+        near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.6)
+        hint = f"did you mean {where}{near[0]}? " if near else ""
+        raise ValueError(f"unknown config key {where}{unknown[0]}: {hint}known keys: {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
