@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 
+# make-model's architecture, named by train's model.* keys (its own defaults: a Qwen3 of about 1.7M parameters)
+MAKE_MODEL_SHAPE = {"model.d_model": 192, "model.n_layer": 4, "model.n_head": 3, "model.n_kv_head": 1,
+                    "model.d_ff": 512, "model.max_seq_len": 128}
+
 def _seed_table(args) -> int:
     """[mismatch]'s worked example, computed by running the library's objectives exactly."""
     from driftless.analysis import expected_logit_update
@@ -193,12 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--batch-size", type=int, default=64)
     mm.add_argument("--vocab-size", type=int, default=512, help="the BPE's largest vocabulary (stops earlier when the "
                                                                "text has no more pairs to merge)")
-    mm.add_argument("--hidden", type=int, default=192)
-    mm.add_argument("--layers", type=int, default=4)
-    mm.add_argument("--heads", type=int, default=3)
-    mm.add_argument("--kv-heads", type=int, default=1)
-    mm.add_argument("--intermediate", type=int, default=512)
-    mm.add_argument("--max-positions", type=int, default=128)
+    mm.add_argument("overrides", nargs="*", metavar="model.KEY=VALUE",
+                    help="the architecture, in train's own keys: " + ", ".join(
+                        f"{k}={v}" for k, v in MAKE_MODEL_SHAPE.items()) + " (these defaults are make-model's)")
     mm.add_argument("--whole-numbers", action="store_true",
                     help="GPT-2's pre-tokenizer (numbers as whole tokens) instead of Qwen's one-digit split")
     mm.add_argument("--tie-embeddings", action="store_true",
@@ -526,14 +527,22 @@ def _demo(args) -> int:
 
 def _make_model(args) -> int:
     from driftless.experiments.make_model import DEFAULT_LR, DEFAULT_STEPS, make_model, read_jsonl
+    from driftless.train import load_config
 
     if (args.data is None) != (args.eval_data is None):
         raise ValueError("make-model: give both --data and --eval-data, or neither (the built-in Countdown rows)")
+    model = load_config(None, args.overrides).model  # names and values checked as train checks them
+    keys = [o.split("=", 1)[0] for o in args.overrides]
+    other = [k for k in keys if k not in MAKE_MODEL_SHAPE]
+    if other:
+        raise ValueError(f"make-model: {other[0]} is not an architecture key; it takes {', '.join(MAKE_MODEL_SHAPE)}")
+    shape = {k: getattr(model, k.split(".", 1)[1]) if k in keys else v for k, v in MAKE_MODEL_SHAPE.items()}
     rows_train = read_jsonl(args.data) if args.data else None
     rows_eval = read_jsonl(args.eval_data) if args.eval_data else None
     info = make_model(args.dir, rows_train=rows_train, rows_eval=rows_eval, vocab_size=args.vocab_size,
-                      hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                      intermediate=args.intermediate, max_positions=args.max_positions,
+                      hidden=shape["model.d_model"], layers=shape["model.n_layer"], heads=shape["model.n_head"],
+                      kv_heads=shape["model.n_kv_head"], intermediate=shape["model.d_ff"],
+                      max_positions=shape["model.max_seq_len"],
                       sft_steps=DEFAULT_STEPS if args.steps is None else args.steps,
                       sft_batch=args.batch_size, lr=DEFAULT_LR if args.lr is None else args.lr,
                       split_digits=not args.whole_numbers, tie_embeddings=args.tie_embeddings, seed=args.seed,

@@ -172,16 +172,20 @@ def test_export_task_writes_the_splits_it_prints(tmp_path, capsys):
 def test_make_model_cli_trains_on_exported_files(tmp_path, capsys):
     assert main(["export-task", str(tmp_path / "data"), "--limit", "8"]) == 0
     capsys.readouterr()
-    args = ["make-model", str(tmp_path / "m"), "--data", str(tmp_path / "data" / "train.jsonl"),
-            "--eval-data", str(tmp_path / "data" / "eval.jsonl"), "--steps", "3", "--vocab-size", "300",
-            "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64", "--seed", "3", "--no-progress"]
+    args = ["make-model", str(tmp_path / "m"), "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.d_ff=64",
+            "--data", str(tmp_path / "data" / "train.jsonl"), "--eval-data", str(tmp_path / "data" / "eval.jsonl"),
+            "--steps", "3", "--vocab-size", "300", "--seed", "3", "--no-progress"]
     assert main(args) == 0
     printed = json.loads(capsys.readouterr().out.splitlines()[0])
     stored = json.loads((tmp_path / "m" / INFO_FILE).read_text())
     assert printed == {k: v for k, v in stored.items() if k != "settings"}
     assert stored["settings"]["sft_steps"] == 3 and stored["settings"]["seed"] == 3 and stored["train_rows"] == 8
-    assert main(args[:4] + ["--no-progress"]) == 2  # --data without --eval-data
+    assert main(args[:8] + ["--no-progress"]) == 2  # --data without --eval-data
     assert "--eval-data" in capsys.readouterr().err
+    assert main([*args[:2], "rollout.lag=1", *args[2:]]) == 2  # train's keys, the architecture's only
+    assert "rollout.lag is not an architecture key" in capsys.readouterr().err
+    assert main([*args[:2], "model.d_modl=32", *args[2:]]) == 2
+    assert "did you mean model.d_model" in capsys.readouterr().err
 
 
 def test_rows_of_other_shapes(tmp_path):
