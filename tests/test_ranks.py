@@ -221,3 +221,16 @@ def test_two_ranks_each_generate_half_the_groups_and_write_the_one_process_lines
         assert line["generated_rows_max"] == rows // 2  # each rank generated 2 of the 4 groups
         assert line["tokens"] / 2 <= line["generated_tokens_max"] < line["tokens"]
     assert "generated_rows_max" not in one[0]
+
+
+@pytest.mark.torchrun
+def test_a_run_generated_on_two_ranks_resumes_on_one_process_as_the_same_run(tmp_path):
+    """Sharded generation changes who samples a row, not what it samples: a run cut at step 2 on 2 ranks with
+    rollout.shard_across_ranks continues on one process (no sharding) with the uninterrupted one-process lines."""
+    c = ["rollout.draws=row", "model.execution=aligned", "train.checkpoint_every=2", "train.eval_every=2",
+         "optim.schedule=constant"]
+    straight = _train(tmp_path / "straight", "train.steps=4", *c)
+    _train(tmp_path / "a", "train.steps=2", *c, "train.learner_ranks=2", "rollout.shard_across_ranks=true", ranks=2)
+    resumed = _train(tmp_path / "a", "train.steps=4", *c, "--resume")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    _same_lines(straight, resumed)
