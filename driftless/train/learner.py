@@ -144,32 +144,19 @@ class Learner:
         if batch.tokens.device != device:  # rollouts arrive on the CPU; the learner may be on a GPU (train.device)
             batch = batch.to(device)
         start_version = self.version
-        micro = self.micro_batch_tokens is not None or self.ranks.distributed
-        if self.ppo_epochs * self.minibatches == 1 and micro:
-            step, view = self._step_micro(batch, t0)  # π0 = p: each micro-batch's own detached log p
+        if self.ppo_epochs * self.minibatches == 1:  # π0 = p: each micro-batch's own detached log p
+            step, view = self._step(batch, t0)
             batch = batch.replace(anchor_logp=view.logp)
             diagnostics = self._diagnostics(batch, view, start_version)
             steps = [step]
-        elif self.ppo_epochs * self.minibatches == 1:
-            view = self._forward(self.policy, batch)
-            batch = batch.replace(anchor_logp=view.logp.detach())
-            diagnostics = self._diagnostics(batch, view, start_version)
-            steps = [self._step(batch, view, t0)]
         else:
             with torch.no_grad():  # π0: the trainer before the first step on this batch
                 start = self._score(batch)
             batch = batch.replace(anchor_logp=start.logp)
             diagnostics = self._diagnostics(batch, start, start_version)
             parts = [rows for rows in torch.arange(batch.batch_size).tensor_split(self.minibatches) if len(rows)]
-            steps = []
-            for _ in range(self.ppo_epochs):
-                for rows in parts:
-                    t = time.perf_counter()
-                    sub = batch.select(rows)
-                    if micro:
-                        steps.append(self._step_micro(sub, t)[0])
-                    else:
-                        steps.append(self._step(sub, self._forward(self.policy, sub), t))
+            steps = [self._step(batch.select(rows), time.perf_counter())[0]
+                     for _ in range(self.ppo_epochs) for rows in parts]
         metrics = _combine(steps)
         mask = batch.action_mask
         ages = batch.token_ages(start_version)
@@ -231,23 +218,6 @@ class Learner:
         with torch.no_grad():
             return self._forward(self._scorer, batch).logp
 
-    def _step(self, batch: RolloutBatch, view, t0: float) -> dict:
-        t_score = time.perf_counter()
-        metrics: dict = {}
-        skipped = False
-        try:
-            loss, obj_metrics = self.objective(view, batch)
-            metrics.update(obj_metrics)
-        except FloatingPointError:
-            loss, skipped = None, True
-        t_loss = time.perf_counter()
-        version_seen = self.version
-        if not skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-        grad_norm = self._apply(metrics, skipped)
-        return self._step_metrics(metrics, batch, view, version_seen, grad_norm, t0, t_score, t_loss)
-
     def _forward(self, policy, batch: RolloutBatch) -> TokenLogprobs:
         """The trainer's scoring forward; bf16: the model's matrix products in bfloat16 under autocast, the
         weights, gradients and optimizer state float32, every log-probability float32."""
@@ -267,9 +237,10 @@ class Learner:
                   for rows in micro_batches(batch.length, self.micro_batch_tokens)]
         return _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
 
-    def _step_micro(self, batch: RolloutBatch, t0: float) -> tuple[dict, TokenLogprobs]:
-        """One optimizer step over micro-batches: each scored and back-propagated with the whole step's
-        denominators; the metrics computed once on the whole batch. Returns (metrics, the whole detached view)."""
+    def _step(self, batch: RolloutBatch, t0: float) -> tuple[dict, TokenLogprobs]:
+        """One optimizer step: score → objective → backward, micro-batch by micro-batch (no ``micro_batch_tokens``:
+        one micro-batch; learner ranks: this rank's rows) with the whole step's denominators → clip → step; the
+        metrics computed once on the whole batch. Returns (metrics, the whole detached view)."""
         t_score = time.perf_counter()
         totals = Totals.of(batch.action_mask)
         version_seen = self.version
