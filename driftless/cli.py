@@ -255,16 +255,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ex = sub.add_parser("export-task", help="a built-in task's problems as OUT_DIR/train.jsonl and eval.jsonl")
     ex.add_argument("out_dir")
-    ex.add_argument("--task", choices=("countdown", "arithmetic", "arithmetic-question"), default="countdown",
-                    help="arithmetic-question: every 'What is a + b? Answer with the number only.' for a, b in "
-                         "[--min-operand, --max-operand], as chat messages (for a pretrained chat model)")
-    ex.add_argument("--n-numbers", type=int, default=2, help="countdown")
-    ex.add_argument("--min-number", type=int, default=1, help="countdown")
-    ex.add_argument("--max-number", type=int, default=12, help="countdown")
-    ex.add_argument("--max-target", type=int, default=100, help="countdown")
-    ex.add_argument("--ops", default="+-*/", help="countdown")
-    ex.add_argument("--max-operand", type=int, default=20, help="arithmetic, arithmetic-question")
-    ex.add_argument("--min-operand", type=int, default=1, help="arithmetic-question")
+    ex.add_argument("overrides", nargs="*", metavar="task.KEY=VALUE",
+                    help="the task in train's own keys and defaults: task.name=countdown|arithmetic, task.n_numbers, "
+                         "task.min_number, task.max_number, task.max_target, task.ops (countdown), task.max_operand")
+    ex.add_argument("--questions", action="store_true",
+                    help="instead: every 'What is a + b? Answer with the number only.' for a, b in [--min-operand, "
+                         "task.max_operand], as chat messages (for a pretrained chat model)")
+    ex.add_argument("--min-operand", type=int, default=1, help="with --questions")
     ex.add_argument("--draws", type=int, default=20_000, help="generator draws per split (the distinct ones are kept)")
     ex.add_argument("--limit", type=int, default=None, help="at most this many rows per split")
     ex.add_argument("--seed", type=int, default=0)
@@ -631,24 +628,30 @@ def _import_gguf(args) -> int:
 def _export_task(args) -> int:
     from driftless.tasks import make_task
     from driftless.tasks.export import question_rows, task_rows, write_jsonl
+    from driftless.train import load_config
 
-    if args.task == "arithmetic-question":
+    t = load_config(None, args.overrides).task  # names and values checked as train checks them
+    other = [o.split("=", 1)[0] for o in args.overrides if not o.startswith("task.")]
+    if other:
+        raise ValueError(f"export-task: {other[0]} is not a task key (task.name, task.n_numbers, ...)")
+    if t.name not in ("countdown", "arithmetic"):
+        raise ValueError(f"export-task: task.name={t.name} has no generator here; use countdown or arithmetic")
+    if args.questions:
         for split in ("train", "eval"):
-            rows = question_rows(split, min_operand=args.min_operand, max_operand=args.max_operand)
+            rows = question_rows(split, min_operand=args.min_operand, max_operand=t.max_operand)
             path = write_jsonl(rows[: args.limit] if args.limit else rows, Path(args.out_dir) / f"{split}.jsonl")
             print(f"{split}: {len(rows[: args.limit] if args.limit else rows)} rows -> {path}")
         return 0
-    if args.task == "countdown":
-        task = make_task("countdown", n_numbers=args.n_numbers, min_number=args.min_number,
-                         max_number=args.max_number, max_target=args.max_target, ops=args.ops)
+    if t.name == "countdown":
+        task = make_task("countdown", n_numbers=t.n_numbers, min_number=t.min_number, max_number=t.max_number,
+                         max_target=t.max_target, ops=t.ops)
     else:
-        task = make_task("arithmetic", max_operand=args.max_operand)
+        task = make_task("arithmetic", max_operand=t.max_operand)
     for split in ("train", "eval"):
         rows = task_rows(task, split, draws=args.draws, seed=args.seed, limit=args.limit)
         path = write_jsonl(rows, Path(args.out_dir) / f"{split}.jsonl")
         print(f"{split}: {len(rows)} rows -> {path}")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

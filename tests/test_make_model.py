@@ -161,7 +161,7 @@ def test_export_task_writes_the_splits_it_prints(tmp_path, capsys):
         assert r["prompt"][0]["role"] == "user" and score(r["numbers"], r["target"], r["completion"]) == 1.0
     assert not {r["prompt"][0]["content"] for r in rows["train"]} & {r["prompt"][0]["content"] for r in rows["eval"]}
 
-    assert main(["export-task", str(tmp_path / "ar"), "--task", "arithmetic", "--limit", "7"]) == 0
+    assert main(["export-task", str(tmp_path / "ar"), "task.name=arithmetic", "--limit", "7"]) == 0
     counts = _printed_counts(capsys.readouterr().out)
     assert {split: n for split, (n, _) in counts.items()} == {"train": 7, "eval": 7}
     first = read_jsonl(tmp_path / "ar" / "train.jsonl")[0]

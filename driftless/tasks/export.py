@@ -52,7 +52,7 @@ def question_rows(split: str, *, min_operand: int = 1, max_operand: int = 20) ->
     """Every sum ``a + b`` with a, b in [min_operand, max_operand] asked as a chat question (``QUESTION``), the
     held-out split by the arithmetic task's own hash (about 1 in 10, disjoint from train), in (a, b) order:
     ``{"prompt": [{"role": "user", "content": "What is 12 + 7? Answer with the number only."}], "answer": "19",
-    "completion": "19", "a": 12, "b": 7}``. What ``driftless export-task --task arithmetic-question`` writes for a
+    "completion": "19", "a": 12, "b": 7}``. What ``driftless export-task --questions`` writes for a
     pretrained chat model (docs/real-model.md)."""
     from driftless.tasks.arithmetic import Arithmetic
 
