@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-
 # make-model's architecture, named by train's model.* keys (its own defaults: a Qwen3 of about 1.7M parameters)
 MAKE_MODEL_SHAPE = {"model.d_model": 192, "model.n_layer": 4, "model.n_head": 3, "model.n_kv_head": 1,
                     "model.d_ff": 512, "model.max_seq_len": 128}
