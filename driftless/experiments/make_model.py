@@ -32,14 +32,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from driftless.models.hf import HFPolicy
 from driftless.rollout import SamplingParams
 from driftless.rollout.sampler import Sampler
 from driftless.tasks.countdown import Countdown, CountdownConfig, score
 from driftless.tasks.export import task_rows
+from driftless.train.sft import sft
 from driftless.train.warmstart import weights_digest
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -357,21 +356,8 @@ def make_model(
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     rng = random.Random(seed)
-    loss_value = float("nan")
-    bar = tqdm(range(sft_steps), desc="make-model SFT", disable=not progress, leave=False)
-    for _ in bar:
-        tokens, mask = _batch(rng.choices(examples, k=sft_batch), pad_id)
-        logits = policy(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
-        m = mask[:, 1:].reshape(-1).float()
-        loss = (loss * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_value = float(loss.detach())
-        bar.set_postfix(loss=f"{loss_value:.3f}")
+    loss_value = sft(policy, opt, sched, lambda: _batch(rng.choices(examples, k=sft_batch), pad_id), sft_steps,
+                     desc="make-model SFT", progress=progress)
     if not math.isfinite(loss_value):
         raise RuntimeError(f"make-model: the SFT loss is {loss_value}; lower lr ({lr})")
     train_seconds = time.time() - t0

@@ -17,14 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from driftless.models import TinyLM, TinyLMConfig, load_model, save_model
 from driftless.ops.reproducible import within
 from driftless.train.config import WarmStartConfig
 from driftless.train.evaluate import evaluate
 from driftless.train.optim import ExactAdamW, one_cycle
+from driftless.train.sft import sft
 
 
 def sft_batch(problems, tokenizer):
@@ -113,21 +112,8 @@ def _warm_start(model_config, task, tokenizer, ws, *, max_new_tokens, cache_dir,
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: one_cycle(step, ws.steps))
     rng = random.Random(ws.seed)
     t0 = time.time()
-    bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
-    loss_value = float("nan")
-    for _ in bar:
-        tokens, mask = sft_batch(task.sample(ws.batch_size, rng, "train"), tokenizer)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
-        m = mask[:, 1:].reshape(-1).float()
-        loss = (loss * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
-        opt.step()
-        sched.step()
-        loss_value = float(loss.detach())
-        bar.set_postfix(loss=f"{loss_value:.3f}")
+    loss_value = sft(model, opt, sched, lambda: sft_batch(task.sample(ws.batch_size, rng, "train"), tokenizer), ws.steps,
+                     desc="warm start", progress=progress, clip_foreach=False)
     result = evaluate(model, task, tokenizer, task.eval_set(ws.eval_problems), max_new_tokens=max_new_tokens)
     info = {"key": key, "final_loss": loss_value, "seconds": time.time() - t0, **result,
             "config": asdict(ws), "model": asdict(model_config),
