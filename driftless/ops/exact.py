@@ -14,7 +14,7 @@ only four kinds of operation, each exact or correctly rounded by IEEE 754 on eve
    ``exact_attention``): every output is one chain of fused multiply-adds in ``k`` order
    (``ops.fixed_mm``), vectorised only across independent outputs and threaded only across whole
    outputs, so no machine can reorder a sum.
-3. **Integer arithmetic in float64** for the sums (``exact_sum``: RMSNorm, softmax). An operand
+3. **Integer arithmetic in float64** for the sums (``code_sum``, ``exact_sum_slices``: RMSNorm, softmax). An operand
    is written as fixed-point codes along its reduction dimension, ``x ≈ c · 2^(e − b)`` with
    integers ``|c| ≤ 2^b`` and ``e`` the exponent of the row's largest magnitude
    (``fixed_point``). A sum of ``K`` codes (or of products of two operands' codes) stays below
@@ -124,8 +124,9 @@ def snap(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.round(x.double() * pow2(bits - e)) * pow2(e - bits)
 
 
-def exact_sum(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """Order-independent sum along ``dim`` (float64, keepdim); ``bits`` ≤ 53 − ⌈log2 n⌉ for n terms."""
+def code_sum(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Order-independent sum along ``dim`` (float64, keepdim) of one slice of ``bits``-bit fixed-point codes;
+    ``bits`` ≤ 53 − ⌈log2 n⌉ for n terms."""
     codes, e = fixed_point(x, bits, dim)
     return codes.sum(dim, keepdim=True) * pow2(e - bits)
 
@@ -451,7 +452,7 @@ def exact_log_softmax_values(x: torch.Tensor) -> torch.Tensor:
     """log-softmax over the last dim (−inf entries stay −inf), fp32, bitwise the same on any CPU."""
     x = x.double()
     z = x - x.amax(-1, keepdim=True)
-    total = exact_sum(exp64(z), reduction_bits(x.shape[-1]))  # order-free: a sum of integer codes
+    total = code_sum(exp64(z), reduction_bits(x.shape[-1]))  # order-free: a sum of integer codes
     return (z - log64(total)).float()
 
 
@@ -475,3 +476,53 @@ class _Substitute(torch.autograd.Function):
 def substitute(value: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
     """Returns exactly ``value``'s bits; gradients flow into ``surrogate`` as if it had been returned."""
     return _Substitute.apply(value.detach(), surrogate)
+
+
+# ------------------------------------------------------------------------------------------ torch's sums, exact
+# ``Reproducible``'s sums and means (ops.reproducible): ``torch.sum`` / ``torch.mean`` with exact accumulation
+def exact_sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim of float64 ``x [..., K]``, the same bits in any order (``exact_sum_slices``: two
+    fixed-point slices of ``52 − ⌈log2 K⌉`` bits, one rounding); an empty row sums to 0, and rows holding inf or NaN
+    sum plainly (inf and NaN propagate the same way in any order)."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    total = exact_sum_slices(x, -1)[..., 0]
+    finite = torch.isfinite(x).all(-1)
+    return total if bool(finite.all()) else torch.where(finite, total, x.sum(-1))
+
+
+def reduce_dims(x: torch.Tensor, dim) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % max(x.dim(), 1) for d in dims})
+
+
+def as_rows(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """``x`` with ``dims`` moved last and flattened into one: ``[..., K]``."""
+    if x.dim() == 0:
+        return x.reshape(1)
+    kept = [d for d in range(x.dim()) if d not in dims]
+    moved = x.permute(*kept, *dims)
+    return moved.reshape(*[x.shape[d] for d in kept], -1)
+
+
+def keep_dims(out: torch.Tensor, x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    if keepdim and x.dim():
+        shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
+        return out.reshape(shape)
+    return out
+
+
+def exact_sum(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None) -> torch.Tensor:
+    """``x.sum(dim, keepdim, dtype)`` with exact float64 accumulation and one rounding (floating ``x``)."""
+    dims = reduce_dims(x, dim)
+    out = exact_sum_rows(as_rows(x.double(), dims))
+    return keep_dims(out, x, dims, keepdim).to(dtype or x.dtype)
+
+
+def exact_mean(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None) -> torch.Tensor:
+    dims = reduce_dims(x, dim)
+    rows = as_rows(x.double(), dims)
+    out = exact_sum_rows(rows) / rows.shape[-1] if rows.shape[-1] else rows.new_full(rows.shape[:-1], float("nan"))
+    return keep_dims(out, x, dims, keepdim).to(dtype or x.dtype)

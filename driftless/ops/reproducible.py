@@ -47,83 +47,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftless.ops import dispatch
 from driftless.ops.dispatch import active, suspended  # noqa: F401 - re-exported
-from driftless.ops.exact import exact_sqrt, exp32, exp64, exponent_bound, log64, pow2
+from driftless.ops.exact import (
+    as_rows,
+    exact_mean,
+    exact_sqrt,
+    exact_sum,
+    exact_sum_rows,
+    exp32,
+    exp64,
+    exponent_bound,
+    keep_dims,
+    log64,
+    pow2,
+    reduce_dims,
+    reduction_bits,
+)
 from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm
 
 aten = torch.ops.aten
 
 class NotReproducible(RuntimeError):
     """An operation without a machine-independent definition was asked for under ``Reproducible``."""
-
-
-# ------------------------------------------------------------------------------------------ exact sums
-def _log2_ceil(k: int) -> int:
-    n = 0
-    while (1 << n) < k:
-        n += 1
-    return n
-
-
-def exact_sum_rows(x: torch.Tensor) -> torch.Tensor:
-    """Σ over the last dim of float64 ``x [..., K]``, the same bits in any order: two fixed-point slices.
-
-    Each value is written as ``(hi + lo · 2^−b) · 2^(e−b)`` with integers ``|hi|, |lo| ≤ 2^b``,
-    ``b = 53 − ⌈log2 K⌉ − 1`` and ``e`` the exponent of the row's largest magnitude; the sums of the
-    ``hi`` and of the ``lo`` codes are integers below 2^53, exact whatever the order, and they are
-    joined by one rounding. A value below ``2^(e − 2b)`` is rounded to that grid (a relative error
-    of at most ``K · 2^−2b`` of the row's largest value). Rows holding inf or NaN sum plainly (inf
-    and NaN propagate the same way in any order).
-    """
-    k = x.shape[-1]
-    if k == 0:
-        return x.new_zeros(x.shape[:-1])
-    b = 53 - _log2_ceil(k) - 1
-    e = exponent_bound(x.abs().amax(-1, keepdim=True))
-    scaled = x * pow2(b - e)  # exact: a power of two (e keeps it in range)
-    hi = torch.round(scaled)
-    lo = torch.round((scaled - hi) * float(2 ** b))  # scaled − hi is exact (|·| ≤ 1/2)
-    total = (hi.sum(-1) + lo.sum(-1) * float(2.0 ** -b)) * pow2(e[..., 0] - b)
-    finite = torch.isfinite(x).all(-1)
-    if bool(finite.all()):
-        return total
-    return torch.where(finite, total, x.sum(-1))
-
-
-def _reduce_dims(x: torch.Tensor, dim) -> list[int]:
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return list(range(x.dim()))
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    return sorted({d % max(x.dim(), 1) for d in dims})
-
-
-def _rows(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
-    """``x`` with ``dims`` moved last and flattened into one: ``[..., K]``."""
-    if x.dim() == 0:
-        return x.reshape(1)
-    kept = [d for d in range(x.dim()) if d not in dims]
-    moved = x.permute(*kept, *dims)
-    return moved.reshape(*[x.shape[d] for d in kept], -1)
-
-
-def _keep(out: torch.Tensor, x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    if keepdim and x.dim():
-        shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
-        return out.reshape(shape)
-    return out
-
-
-def exact_sum(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None) -> torch.Tensor:
-    """``x.sum(dim, keepdim, dtype)`` with exact float64 accumulation and one rounding (floating ``x``)."""
-    dims = _reduce_dims(x, dim)
-    out = exact_sum_rows(_rows(x.double(), dims))
-    return _keep(out, x, dims, keepdim).to(dtype or x.dtype)
-
-
-def exact_mean(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None) -> torch.Tensor:
-    dims = _reduce_dims(x, dim)
-    rows = _rows(x.double(), dims)
-    out = exact_sum_rows(rows) / rows.shape[-1] if rows.shape[-1] else rows.new_full(rows.shape[:-1], float("nan"))
-    return _keep(out, x, dims, keepdim).to(dtype or x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ elementwise functions
@@ -274,7 +218,7 @@ def categorical(probs: torch.Tensor, generator=None) -> torch.Tensor:
     """One draw per row of ``probs [..., V]`` (unnormalised, >= 0): exact integer cumulative sums, one uniform a row."""
     rows = probs.reshape(-1, probs.shape[-1]).double()
     v = rows.shape[-1]
-    bits = 53 - _log2_ceil(v) - 1
+    bits = reduction_bits(v) - 1
     e = exponent_bound(rows.amax(-1, keepdim=True))
     codes = torch.round(rows * pow2(bits - e))  # integers <= 2^bits
     cdf = torch.cumsum(codes, -1)  # integers below 2^53: exact in any order
@@ -322,12 +266,12 @@ def _softmax64(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def exact_logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
-    dims = _reduce_dims(x, dim)
-    rows = _rows(x.double(), dims)
+    dims = reduce_dims(x, dim)
+    rows = as_rows(x.double(), dims)
     m = rows.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     out = m[..., 0] + log_f64(exact_sum_rows(exp64(rows - m)))
-    return _keep(out, x, dims, keepdim).to(x.dtype)
+    return keep_dims(out, x, dims, keepdim).to(x.dtype)
 
 
 def attention_backward(grad_out, q, k, v, scale: float, is_causal: bool, attn_mask):
@@ -472,14 +416,14 @@ def _rule_var(func, args, kwargs, root: bool = False):
     correction = a.get("correction")
     if correction is None:
         correction = 1 if a.get("unbiased", True) else 0
-    dims = _reduce_dims(x, a.get("dim"))
-    rows = _rows(x.double(), dims)
+    dims = reduce_dims(x, a.get("dim"))
+    rows = as_rows(x.double(), dims)
     n = rows.shape[-1]
     mean = exact_sum_rows(rows)[..., None] / n
     dev = rows - mean
     var = exact_sum_rows(dev * dev) / max(n - correction, 0)
     out = exact_sqrt(var) if root else var
-    return _keep(out, x, dims, a.get("keepdim", False)).to(x.dtype)
+    return keep_dims(out, x, dims, a.get("keepdim", False)).to(x.dtype)
 
 
 def _rule_norm(func, args, kwargs):
@@ -488,8 +432,8 @@ def _rule_norm(func, args, kwargs):
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     dtype = kwargs.get("dtype") or x.dtype
-    dims = _reduce_dims(x, dim)
-    rows = _rows(x.double(), dims)
+    dims = reduce_dims(x, dim)
+    rows = as_rows(x.double(), dims)
     if ord_ == 2:
         out = exact_sqrt(exact_sum_rows(rows * rows))  # a float32 value's square is exact in float64
     elif ord_ == 1:
@@ -498,7 +442,7 @@ def _rule_norm(func, args, kwargs):
         out = rows.abs().amax(-1)
     else:
         raise NotReproducible(f"vector norm of order {ord_}")
-    return _keep(out, x, dims, keepdim).to(dtype)
+    return keep_dims(out, x, dims, keepdim).to(dtype)
 
 
 def _rule_mm(func, args, kwargs):
@@ -607,7 +551,7 @@ def exact_index_sum(index: torch.Tensor, source: torch.Tensor, size: int) -> tor
     rows = source.double().reshape(source.shape[0], -1)
     if not bool(torch.isfinite(rows).all()):
         raise NotReproducible("an indexed sum of non-finite values")
-    b = 53 - _log2_ceil(max(rows.shape[0], 1)) - 1
+    b = reduction_bits(max(rows.shape[0], 1)) - 1
     e = exponent_bound(rows.abs().amax(0, keepdim=True)) if rows.shape[0] else torch.zeros(1, rows.shape[1], dtype=torch.int64)
     scaled = rows * pow2(b - e)
     hi = torch.round(scaled)
