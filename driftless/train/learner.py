@@ -261,7 +261,7 @@ class Learner:
                 sub = sub.replace(anchor_logp=view.logp.detach())
             t = time.perf_counter()
             try:
-                loss, _ = self.objective(view, sub, totals=totals)
+                loss, piece_metrics = self.objective(view, sub, totals=totals)
             except FloatingPointError:
                 skipped, loss = True, None
             t_objective += time.perf_counter() - t
@@ -284,7 +284,10 @@ class Learner:
             whole = _assemble(pieces, batch.batch_size, batch.tokens.shape[1])
         anchored = batch if batch.anchor_logp is not None else batch.replace(anchor_logp=whole.logp)
         metrics: dict = {}
-        if not skipped:
+        whole_batch_once = len(groups) == 1 and not self.ranks.distributed and len(mine) == batch.batch_size
+        if not skipped and whole_batch_once:  # one micro-batch of every row: its metrics are the whole batch's
+            metrics.update(piece_metrics)
+        elif not skipped:
             with torch.no_grad():
                 t = time.perf_counter()
                 try:  # the whole batch's objective metrics, from the micro-batches' log-probabilities
