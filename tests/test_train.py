@@ -221,11 +221,11 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
     run = Run(tiny_config("train.steps=3"), tmp_path)
     before = {k: v.clone() for k, v in run.policy.state_dict().items()}
     real = run.learner.objective
-    run.learner.objective = lambda view, batch: (view.logp.sum() * float("nan"), {})  # NaN gradients
+    run.learner.objective = lambda view, batch, totals=None: (view.logp.sum() * float("nan"), {})  # NaN gradients
     m = run.step()
     assert m["skipped_steps"] == 1 and m["version"] == 0
 
-    def raising(view, batch):
+    def raising(view, batch, totals=None):
         raise FloatingPointError("non-finite loss")
     run.learner.objective = raising
     m = run.step()
