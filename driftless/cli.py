@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--vocab-size", type=int, default=512, help="the BPE's largest vocabulary (stops earlier when the "
                                                                "text has no more pairs to merge)")
     mm.add_argument("overrides", nargs="*", metavar="model.KEY=VALUE",
-                    help="the architecture, in train's own keys: " + ", ".join(
+                    help="right after DIR: the architecture, in train's own keys: " + ", ".join(
                         f"{k}={v}" for k, v in MAKE_MODEL_SHAPE.items()) + " (these defaults are make-model's)")
     mm.add_argument("--whole-numbers", action="store_true",
                     help="GPT-2's pre-tokenizer (numbers as whole tokens) instead of Qwen's one-digit split")
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export-task", help="a built-in task's problems as OUT_DIR/train.jsonl and eval.jsonl")
     ex.add_argument("out_dir")
     ex.add_argument("overrides", nargs="*", metavar="task.KEY=VALUE",
-                    help="the task in train's own keys and defaults: task.name=countdown|arithmetic, task.n_numbers, "
+                    help="right after OUT_DIR: the task in train's own keys and defaults: task.name=countdown|arithmetic, task.n_numbers, "
                          "task.min_number, task.max_number, task.max_target, task.ops (countdown), task.max_operand")
     ex.add_argument("--questions", action="store_true",
                     help="instead: every 'What is a + b? Answer with the number only.' for a, b in [--min-operand, "

@@ -1,4 +1,4 @@
-"""A user reward in TRL's shape for `driftless export-task --task arithmetic-question` rows (configs/smollm2.yaml).
+"""A user reward in TRL's shape for `driftless export-task --questions` rows (configs/smollm2.yaml).
 
     task.reward: examples/arithmetic_reward.py:final_number
 

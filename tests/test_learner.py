@@ -57,7 +57,7 @@ def test_several_epochs_and_minibatches_clip_against_a_fixed_anchor(tmp_path):
     objective = run.learner.objective
 
     def spy(view, sub, **kwargs):
-        if "totals" in kwargs:  # the loss each step back-propagates (its metrics are one more call, on the whole)
+        if "totals" in kwargs:  # the loss each step back-propagates (one call a micro-batch)
             seen.append((sub.anchor_logp.clone(), view.logp.detach().clone(), sub.tokens.shape[0]))
         return objective(view, sub, **kwargs)
     run.learner.objective = spy

@@ -193,10 +193,11 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     changes = {}
     for f in dataclasses.fields(RolloutBatch):
         values = [getattr(b, f.name) for b in batches]
-        if not isinstance(values[0], torch.Tensor):
-            continue
-        if any(v is None for v in values):
+        tensors = [isinstance(v, torch.Tensor) for v in values]
+        if any(tensors) and not all(tensors):
             raise ValueError(f"concat_batches: {f.name} is missing from some batches")
+        if not any(tensors):
+            continue
         parts = []
         for b, v in zip(batches, values):
             if v.dim() >= 2 and v.shape[1] == b.tokens.shape[1] and v.shape[1] < width:  # per-token: [B, L, ...]
