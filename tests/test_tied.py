@@ -118,13 +118,22 @@ def test_the_default_system_prompt_reaches_the_model_and_pad_is_eos(tied, tmp_pa
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_scoring_the_response_positions_only_equals_the_full_logits(tied, tmp_path, temperature):
+@pytest.mark.parametrize("temperature,shared_prompts", [(1.0, False), (0.7, False), (1.0, True)])
+def test_scoring_the_response_positions_only_equals_the_full_logits(tied, tmp_path, temperature, shared_prompts):
+    """In float64 the response-positions path gives the full logits' values to 1e-10 and their gradients to 1e-7
+    relative. With each group's prompt run once (``HFPolicy.action_hidden_states``) the values are as exact; the
+    gradients agree to 1e-5 relative: transformers' RMSNorm computes in float32 whatever the model's dtype, and the
+    prompt's keys and values gather their gradients from the group's rows in another order."""
     run = Run(cfg(tied, f"rollout.temperature={temperature}"), tmp_path / "run")
     run.source.worker.load(Snapshot.of(run.learner.policy, 0))
     batch, _ = run.source.worker.produce(0)
     policy = run.learner.policy.double()
     assert policy.output_weight is not None
+    rows, cols = batch.action_mask[:, 1:].nonzero(as_tuple=True)
+    if shared_prompts:  # 3 prompts x 4 samples: the path runs 3 prompts, not 12
+        assert policy.action_hidden_states(batch.tokens, batch.prompt_len, rows, cols) is not None
+    else:
+        policy.action_hidden_states = lambda *args: None  # every row's whole sequence
     fused = score_batch(policy, batch, head_k=8)
 
     class Full(torch.nn.Module):  # the same model without output_weight: the full [B, L, V] logits path
@@ -148,5 +157,8 @@ def test_scoring_the_response_positions_only_equals_the_full_logits(tied, tmp_pa
         policy.zero_grad()
         ((view.logp * weights).sum() + (view.entropy * weights).sum() + view.head_logp[mask].sum()).backward()
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
+    rtol = 1e-5 if shared_prompts else 1e-7
     for n in grads[0]:
-        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-9, rtol=1e-7), n
+        scale = float(grads[1][n].abs().max())
+        atol = 1e-9 + (1e-6 * scale if shared_prompts else 0.0)
+        assert torch.allclose(grads[0][n], grads[1][n], atol=atol, rtol=rtol), n

@@ -120,6 +120,11 @@ class Compose:
         return " + ".join(v.describe() for v in self.views) or "none"
 
     @property
+    def identity(self) -> bool:
+        """No view at all (``mismatch.view=none``): the sampler holds the published weights unchanged."""
+        return not self.views
+
+    @property
     def quant(self) -> QuantView | None:
         for v in self.views:
             if isinstance(v, QuantView):

@@ -135,6 +135,58 @@ class HFPolicy(nn.Module):
         base = getattr(self.model, self.model.base_model_prefix)
         return base(input_ids=tokens.long(), use_cache=False).last_hidden_state
 
+    def action_hidden_states(self, tokens: torch.Tensor, prompt_len: torch.Tensor, rows: torch.Tensor,
+                             cols: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states ``[N, D]`` at positions ``(rows, cols)`` of ``tokens`` (each at or after its row's
+        last prompt position ``prompt_len - 1``), with each distinct prompt run once: rows that share a prompt (a
+        GRPO group's samples) share its keys and values (``DynamicCache.batch_select_indices``, differentiable),
+        and only the responses run per row. The same values as ``hidden_states(tokens)[rows, cols]`` up to float
+        rounding (other GEMM shapes), at a fraction of the tokens when groups are large and prompts long. None when
+        no prompt repeats, or for what this path does not cover (a mixture of experts, a position before a
+        prompt's end): the caller then runs the whole sequences."""
+        b = tokens.shape[0]
+        if self.route_shape is not None or b < 2 or rows.numel() == 0:
+            return None
+        plen = prompt_len.to(tokens.device).long()
+        if bool((cols < plen[rows] - 1).any()):
+            return None
+        first: dict[tuple, int] = {}  # each distinct prompt -> the first row holding it
+        for i in range(b):
+            first.setdefault(tuple(tokens[i, : int(plen[i])].tolist()), i)
+        if len(first) == b:
+            return None
+        order = {row: u for u, row in enumerate(first.values())}
+        inverse = torch.tensor([order[first[tuple(tokens[i, : int(plen[i])].tolist())]] for i in range(b)],
+                               device=tokens.device)
+        unique_rows = torch.tensor(list(first.values()), device=tokens.device)
+        uplen = plen[unique_rows]
+        width = int(uplen.max())
+        span = torch.arange(width, device=tokens.device)
+        prompt_mask = (span[None, :] < uplen[:, None]).long()
+        base = getattr(self.model, self.model.base_model_prefix)
+        self._shape = (len(first), width)
+        head = base(input_ids=tokens[unique_rows, :width].long(), attention_mask=prompt_mask,
+                    position_ids=span[None, :].expand(len(first), width), use_cache=True)
+        hidden_prompt = head.last_hidden_state  # [U, width, D]
+        ends = cols.new_zeros(b).scatter_reduce(0, rows, cols + 1, "amax")  # inputs end per row
+        n_in = (ends - plen).clamp(min=0)  # response inputs per row: positions plen .. ends-1
+        wide = int(n_in.max())
+        if wide == 0:
+            return hidden_prompt[inverse[rows], cols]
+        cache = self._cache_of(head)
+        cache.batch_select_indices(inverse)  # each row's prompt keys and values, graph kept
+        j = torch.arange(wide, device=tokens.device)
+        at = (plen[:, None] + j[None, :]).clamp(max=tokens.shape[1] - 1)
+        inputs = tokens.gather(1, at).long()
+        mask = torch.cat([prompt_mask[inverse], (j[None, :] < n_in[:, None]).long()], 1)
+        self._shape = (b, wide)
+        tail = base(input_ids=inputs, attention_mask=mask, position_ids=plen[:, None] + j[None, :],
+                    use_cache=True, **{self._cache_kw: cache}).last_hidden_state  # [B, wide, D]
+        at_prompt = (cols == plen[rows] - 1)[:, None]
+        from_prompt = hidden_prompt[inverse[rows], cols.clamp(max=width - 1)]
+        from_tail = tail[rows, (cols - plen[rows]).clamp(min=0, max=wide - 1)]
+        return torch.where(at_prompt, from_prompt, from_tail)
+
     def _cache_of(self, out):
         return getattr(out, "cache", None) if self._cache_kw == "cache" else out.past_key_values
 

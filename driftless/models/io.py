@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -39,6 +40,22 @@ def aliases(state: dict) -> dict[str, str]:
         else:
             first[k] = name
     return out
+
+
+def adopt_state(module: torch.nn.Module, state: dict) -> None:
+    """``state``'s tensors become ``module``'s own parameters and buffers (``load_state_dict(assign=True)``: no
+    copy), and entries that share one tensor (a tied embedding and output layer) stay one parameter, so an
+    optimizer sees it once, as with the module's own tying. ``state`` itself is left as it was (torch records
+    ``assign`` in a state dict's ``_metadata``, which would make every later load of it assign too)."""
+    own = OrderedDict(state)
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        own._metadata = {name: dict(entry) for name, entry in metadata.items()}
+    module.load_state_dict(own, assign=True)
+    for name, first in aliases(state).items():
+        owner, _, attr = name.rpartition(".")
+        source, _, source_attr = first.rpartition(".")
+        setattr(module.get_submodule(owner), attr, getattr(module.get_submodule(source), source_attr))
 
 
 def clone_state(state: dict) -> dict:

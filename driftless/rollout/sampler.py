@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from driftless.models.io import adopt_state, clone_state
 from driftless.rollout.batch import RolloutBatch
 from driftless.rollout.engine import REFRESH_POLICIES, EndIds, assemble, check_request, prepare
 from driftless.rollout.sampling import SamplingParams, draw_rows, is_aligned, sampling_logprobs
@@ -79,6 +80,13 @@ def row_uniforms(row_seeds: list[int], steps: int) -> torch.Tensor:
                         for s in row_seeds]) if row_seeds else torch.zeros(0, steps, dtype=torch.float64)
 
 
+def _adoptable(policy, state: dict) -> bool:
+    """Whether ``state``'s tensors can become ``policy``'s own: the same names, shapes, dtypes and devices."""
+    own = policy.state_dict(keep_vars=True)
+    return own.keys() == state.keys() and all(
+        t.shape == own[k].shape and t.dtype == own[k].dtype and t.device == own[k].device for k, t in state.items())
+
+
 def _device(policy) -> torch.device:
     """Where ``policy``'s weights are (the CPU for a policy without parameters)."""
     params = getattr(policy, "parameters", None)
@@ -104,12 +112,27 @@ class Sampler(EndIds):
         self.pad_id = pad_id
         self.view = view  # a mismatch view applied at every load (driftless.mismatch)
         self.version: int | None = version
+        self.adopted = False  # the policy's tensors are a shared snapshot's (the trainer's own): never written into
+
+    @property
+    def unviewed(self) -> bool:
+        """No mismatch view changes the weights this engine holds (None, or the empty ``mismatch.view=none``)."""
+        return self.view is None or getattr(self.view, "identity", False)
 
     def load(self, snapshot: Snapshot) -> None:
+        """Hold ``snapshot``'s weights: copied into the policy, or, for a shared snapshot (``Snapshot.sharing``) with
+        no view to apply and matching devices and dtypes, adopted as the policy's own tensors (no copy)."""
         if not isinstance(snapshot, Snapshot):
             raise ValueError(f"Sampler.load needs a Snapshot with a version, got {type(snapshot).__name__}")
         with torch.no_grad():
-            self.policy.load_state_dict(snapshot.state)
+            if snapshot.shared and self.unviewed and _adoptable(self.policy, snapshot.state):
+                adopt_state(self.policy, snapshot.state)
+                self.adopted = True
+            elif self.adopted:  # copying would write into the trainer's tensors: take copies of our own instead
+                adopt_state(self.policy, clone_state(snapshot.state))
+                self.adopted = False
+            else:
+                self.policy.load_state_dict(snapshot.state)
             if self.view is not None:
                 self.view.apply(self.policy)
         self.version = snapshot.version

@@ -96,12 +96,18 @@ def _score_actions(policy, weight, batch: RolloutBatch, transform: SamplingParam
     """The response positions only: the final hidden states of the whole sequence, then the output layer on the
     positions whose next token is an action, chunk by chunk (``linear_logprobs``): no ``[B, L, V]`` logits, and the
     vocabulary projection (49k-152k rows) skips the prompts. Positions that are not actions hold 0."""
-    hidden, routes = routed_forward(policy, batch, routing, hidden=True)  # [B, L-1, D]
-    where = batch.action_mask[:, 1:].to(hidden.device)
-    rows, cols = where.nonzero(as_tuple=True)
-    targets = batch.tokens[:, 1:].to(hidden.device)[rows, cols]
-    head = None if body_head is None else body_head.to(hidden.device)[rows, cols]
-    out = linear_logprobs(hidden[rows, cols], weight, targets, head, scale=1.0 / transform.temperature)
+    device = weight.device
+    rows, cols = batch.action_mask[:, 1:].to(device).nonzero(as_tuple=True)
+    shared = getattr(policy, "action_hidden_states", None)  # rows sharing a prompt run it once (HFPolicy)
+    acting = None if shared is None or routing != "recompute" else shared(
+        batch.tokens.to(device), batch.prompt_len, rows, cols)
+    routes = None
+    if acting is None:
+        hidden, routes = routed_forward(policy, batch, routing, hidden=True)  # [B, L-1, D]
+        acting = hidden[rows, cols]
+    targets = batch.tokens[:, 1:].to(device)[rows, cols]
+    head = None if body_head is None else body_head.to(device)[rows, cols]
+    out = linear_logprobs(acting, weight, targets, head, scale=1.0 / transform.temperature)
     b, width = batch.tokens.shape
     zeros = out.logp.new_zeros(b, width)
     logp = zeros.index_put((rows, cols + 1), out.logp)

@@ -64,6 +64,7 @@ class RolloutSettings:
     model_dir: str | None = None  # vllm: the checkpoint directory the engine loads, tokenizer included (model.hf_path)
     routes: bool | None = None  # a MoE's routes: True recorded or refused (replay); None where the engine can
     draws: str = "batch"  # batch: one generator for the step's batch | row: each row its own stream (row_seed)
+    ignore_eos: bool = False  # responses run to max_new_tokens: the engine is given no end ids (vLLM's ignore_eos)
 
 
 ENGINES = ("driftless", "vllm")
@@ -117,8 +118,8 @@ class RolloutWorker:
         if isinstance(policy, SupportsNumerics):
             policy.numerics = None  # the mismatch view decides the sampler's numerics
         self.sampler = make_sampler(settings.engine, policy, head_k=settings.head_k,
-                                    eos_id=getattr(text, "eos_ids", text.eos_id), pad_id=text.pad_id, view=view,
-                                    decode_latency=settings.decode_latency, model_dir=settings.model_dir,
+                                    eos_id=None if settings.ignore_eos else getattr(text, "eos_ids", text.eos_id),
+                                    pad_id=text.pad_id, view=view, decode_latency=settings.decode_latency, model_dir=settings.model_dir,
                                     routes=settings.routes)
         self.task, self.text, self.settings = task, text, settings
         self.snapshot: Snapshot | None = None  # the snapshot last loaded (before the view)

@@ -222,8 +222,9 @@ def initial_state(config: RunConfig, tok=None, progress: bool = True, parts: Par
     return base.state_dict(), None
 
 
-def policy(config: RunConfig, state: dict | str | Path, tok=None):
-    """A policy of ``config.model`` holding ``state`` (a state dict or a safetensors file)."""
+def policy(config: RunConfig, state: dict | str | Path, tok=None, *, adopt: bool = False):
+    """A policy of ``config.model`` holding ``state`` (a state dict or a safetensors file); ``adopt``: ``state``'s
+    tensors become the policy's own (no copy), so the caller must not need them unchanged afterwards."""
     tok = tok or tokenizer(config)
     if isinstance(state, (str, Path)):
         from driftless.models.io import load_weights
@@ -235,7 +236,12 @@ def policy(config: RunConfig, state: dict | str | Path, tok=None):
         from driftless.models import TinyLM
 
         made = TinyLM(tiny_config(config, tok.vocab_size), execution=config.model.execution)
-    made.load_state_dict(state)
+    if adopt:
+        from driftless.models.io import adopt_state
+
+        adopt_state(made, state)
+    else:
+        made.load_state_dict(state)
     return made
 
 
@@ -244,7 +250,9 @@ def learner(config: RunConfig, state: dict, parts: Parts | None = None) -> Learn
     """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics) on its device, sharded
     over the learner ranks under ``train.parallel=fsdp``, objective, optimizer."""
     parts = parts or Parts(config)
-    trained = policy(config, state, parts.tokenizer).to(device(config))
+    # the initial weights are the learner's to train (Run hands every other user its own copy, or these same
+    # tensors to sample from); FSDP shards its own copy
+    trained = policy(config, state, parts.tokenizer, adopt=config.train.parallel != "fsdp").to(device(config))
     if config.mismatch.trainer_numerics != "fp":
         trained.numerics = parts.view.quant.numerics.for_trainer(config.mismatch.trainer_numerics)
     o, t = config.optim, config.train
@@ -282,11 +290,13 @@ def rollout_settings(config: RunConfig, parts: Parts | None = None) -> RolloutSe
                            refresh_every=r.tokens_between_refreshes, reward_latency=r.reward_latency,
                            decode_latency=r.decode_latency, engine=r.engine, stop=tuple(r.stop),
                            model_dir=config.model.hf_path if config.model.kind == "hf" else None,
-                           routes=True if config.train.routing == "replay" else None, draws=r.draws)
+                           routes=True if config.train.routing == "replay" else None, draws=r.draws,
+                           ignore_eos=r.ignore_eos)
 
 
-def worker(config: RunConfig, state: dict, parts: Parts | None = None) -> RolloutWorker:
-    """A rollout worker with its own policy copy on ``state``, sampling through the config's mismatch view."""
+def worker(config: RunConfig, state: dict, parts: Parts | None = None, *, adopt: bool = False) -> RolloutWorker:
+    """A rollout worker with its own policy copy on ``state`` (``adopt``: ``state``'s own tensors, the trainer's that
+    it samples from unchanged), sampling through the config's mismatch view."""
     parts = parts or Parts(config)
-    return RolloutWorker(policy(config, state, parts.tokenizer), parts.task, parts.codec,
+    return RolloutWorker(policy(config, state, parts.tokenizer, adopt=adopt), parts.task, parts.codec,
                          rollout_settings(config, parts), view=parts.view)

@@ -200,6 +200,7 @@ class RolloutSection(_Section):
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends with the token that completes one
     draws: Literal["batch", "row"] = "batch"  # batch: one generator per step's batch | row: each row its own stream
     shard_across_ranks: bool = False  # learner ranks > 1: each rank generates its share of the groups, then gather
+    ignore_eos: bool = False  # every response runs to max_new_tokens (an end id is sampled as any token): fixed lengths, for benchmarks
 
     @property
     def eta(self) -> int:

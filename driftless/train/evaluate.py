@@ -17,11 +17,10 @@ def encode_prompts(text, problems) -> list[list[int]]:
 
 
 def clean_sampler(policy, text) -> Sampler:
-    """The built-in Sampler over a copy of ``policy`` without any numerics hook, holding its weights as version 0."""
-    from driftless.train.ranks import sharded
-
-    if sharded(policy) and getattr(policy, "numerics", None) is None:
-        clean = policy  # FSDP shards: evaluated in place, every rank running the same forwards (nothing to strip)
+    """The built-in Sampler over ``policy`` without any numerics hook, holding its weights as version 0: ``policy``
+    itself when it has no numerics hook (nothing to strip; no second copy of the weights), else a copy without it."""
+    if getattr(policy, "numerics", None) is None:
+        clean = policy  # evaluated in place (under FSDP every rank runs the same forwards)
     else:
         clean = copy.deepcopy(policy)
     if isinstance(clean, SupportsNumerics) and clean.numerics is not None:

@@ -342,9 +342,13 @@ class Learner:
         return metrics
 
     # ------------------------------------------------------------------ publishing and state
-    def publish(self) -> Snapshot:
-        """The trainer's weights for the rollout workers (under FSDP gathered whole: every rank calls it)."""
-        return Snapshot(full_state(self.policy), self.version) if self.sharded else Snapshot.of(self.policy, self.version)
+    def publish(self, *, shared: bool = False) -> Snapshot:
+        """The trainer's weights for the rollout workers (under FSDP gathered whole: every rank calls it); ``shared``:
+        its own tensors rather than copies (``Snapshot.sharing``; not under FSDP), for a sampler in this process
+        that takes every version as it is published."""
+        if self.sharded:
+            return Snapshot(full_state(self.policy), self.version)
+        return Snapshot.sharing(self.policy, self.version) if shared else Snapshot.of(self.policy, self.version)
 
     def sharded_state(self) -> dict:
         """Model and optimizer state as torch.distributed.checkpoint saves them (FQN keys; sharded under FSDP)."""

@@ -29,8 +29,15 @@ class InlineSource:
     def __init__(self, config, state: dict, learner, parts: build.Parts):
         self.config = config
         self.learner = learner
-        self.worker = build.worker(config, state, parts)
         self.lag, self.every = config.rollout.lag, config.mismatch.staleness + 1
+        # a sampler that reads exactly the trainer's weights (no lag, no staleness, no mismatch view, the built-in
+        # engine, a learner in this process and unsharded) holds the trainer's own tensors instead of a copy: one
+        # copy of the weights in memory (Snapshot.sharing)
+        self.adopt = (not self.lag and self.every == 1 and getattr(parts.view, "identity", False)
+                      and config.rollout.engine == "driftless" and getattr(learner, "sharded", True) is False)
+        self.worker = build.worker(config, learner.publish(shared=True).state if self.adopt else state, parts,
+                                   adopt=self.adopt)
+        self.worker.sampler.adopted = self.adopt  # its tensors are the trainer's: a resume's load copies, never writes
         self.history: dict[int, Snapshot] = {}  # lag > 0: the weights published after each step count
         self.step = 0
         # rollout.shard_across_ranks: each learner rank generates its share of the groups, the ranks gather them
@@ -45,7 +52,7 @@ class InlineSource:
                 self.history[step] = self.learner.publish()
             refreshed = due and self.worker.sync_to(self.history[max(0, step - self.lag)])
         elif due:  # publish the learner's weights to the worker (which applies its mismatch view)
-            self.worker.load(self.learner.publish())
+            self.worker.load(self.learner.publish(shared=self.adopt))
         batch, rollout = self.worker.produce(step, weights=self._virtual_refresh(step), share=self.share)
         return Delivery(step, batch, rollout, refreshed=bool(refreshed))
 
