@@ -50,7 +50,7 @@ def cpu_flags() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the child processes
-def run_own(args, out: dict) -> None:
+def run_own(args, out: dict, extra: list[str]) -> None:
     from driftless.cli import main as cli
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,7 +61,7 @@ def run_own(args, out: dict) -> None:
                   f"rollout.max_new_tokens={args.new_tokens}", "rollout.ignore_eos=true", f"optim.lr={LR}",
                   f"optim.grad_clip={CLIP}", f"train.steps={args.steps}", f"train.eval_every={args.steps + 1}",
                   "train.eval_problems=1", "train.eval_samples=0",
-                  f"train.checkpoint_every={args.steps + 1}", "--run-dir", tmp, "--no-progress"])
+                  f"train.checkpoint_every={args.steps + 1}", *extra, "--run-dir", tmp, "--no-progress"])
         if rc:
             raise SystemExit(rc)
         rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
@@ -81,11 +81,11 @@ def run_trl(args, out: dict, head_k: int | None) -> None:
     from arithmetic_reward import final_number
 
     n = args.new_tokens
-    common = dict(output_dir=args.tmp, per_device_train_batch_size=args.prompts * args.group,
-                  num_generations=args.group, max_completion_length=n,
-                  temperature=1.0, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
-                  max_grad_norm=CLIP, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-                  use_cpu=True, seed=0, beta=0.0, bf16=False, dataloader_num_workers=0, disable_tqdm=True)
+    common = {"output_dir": args.tmp, "per_device_train_batch_size": args.prompts * args.group,
+              "num_generations": args.group, "max_completion_length": n, "temperature": 1.0, "learning_rate": LR,
+              "optim": "sgd", "lr_scheduler_type": "constant", "warmup_steps": 0, "max_grad_norm": CLIP,
+              "max_steps": args.steps, "logging_steps": 1, "save_strategy": "no", "report_to": [], "use_cpu": True,
+              "seed": 0, "beta": 0.0, "bf16": False, "dataloader_num_workers": 0, "disable_tqdm": True}
     if head_k is None:
         from trl import GRPOConfig as Config
         from trl import GRPOTrainer as Trainer
@@ -147,8 +147,8 @@ def child(args) -> None:
     out: dict = {"side": args.child}
     with tempfile.TemporaryDirectory() as tmp:
         args.tmp = tmp
-        if args.child == "own":
-            run_own(args, out)
+        if args.child.startswith("own"):  # own, or own@KEY=VALUE,KEY=VALUE: the shipped config with overrides
+            run_own(args, out, [x for x in args.child.partition("@")[2].split(",") if x])
         else:
             run_trl(args, out, {"trl": None, "dtrl32": 32, "dtrl128": 128}[args.child])
     out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -162,7 +162,8 @@ def median_after_first(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    ap.add_argument("--sides", nargs="+", default=list(SIDES),
+                    help=f"of {', '.join(SIDES)}; own@KEY=VALUE,... runs the own trainer with config overrides")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
@@ -171,8 +172,11 @@ def main() -> None:
     ap.add_argument("--model", default=os.environ.get("DRIFTLESS_REAL_MODEL", "runs/models/smollm2-135m-instruct"))
     ap.add_argument("--data", default="runs/data/arithmetic-question")
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for side in [args.child] if args.child else args.sides:
+        if side.partition("@")[0] not in SIDES or ("@" in side and not side.startswith("own@")):
+            ap.error(f"unknown side {side!r}: one of {', '.join(SIDES)}, or own@KEY=VALUE,...")
     if args.child:
         return child(args)
     if not Path(args.model, "config.json").exists():

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from driftless.models.hf import HFPolicy, tiny_qwen3_config
+from driftless.models.hf import HFCache, HFPolicy, distinct_prompts, tiny_qwen3_config
 from driftless.objectives import make
 from driftless.rollout import Sampler, SamplingParams, Snapshot, score_batch
 
@@ -40,3 +40,81 @@ def test_hf_policy_refuses_bad_tokens():
         policy(torch.tensor([[64]]))
     with pytest.raises(ValueError, match="exceed the context"):
         policy(torch.zeros(1, 129, dtype=torch.long))
+
+
+def _shared_prompt_rows():
+    """6 rows, 3 distinct prompts: rows 0-2 one prompt of 5 tokens, rows 3-4 one of 9, row 5 its own of 3."""
+    torch.manual_seed(0)
+    tokens = torch.randint(1, 64, (6, 14))
+    tokens[1, :5] = tokens[0, :5]
+    tokens[2, :5] = tokens[0, :5]
+    tokens[4, :9] = tokens[3, :9]
+    return tokens, torch.tensor([5, 5, 5, 9, 9, 3]), torch.tensor([14, 10, 12, 14, 11, 8])
+
+
+def _rows_seen(policy):
+    seen = []
+    policy.model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    return seen
+
+
+def test_rows_that_share_a_prompt_prefill_it_once_with_the_same_logits_and_cache():
+    policy = HFPolicy(tiny_qwen3_config())
+    tokens, plen, _ = _shared_prompt_rows()
+    seen = _rows_seen(policy)
+    with torch.no_grad():
+        shared = HFCache()
+        first = policy.prefill_last(tokens[:, :9], plen, shared)
+        assert seen == [3]  # 3 distinct prompts, not 6 rows
+        step = torch.arange(6) + 1
+        after = policy.decode(step, plen, shared)
+        alone = []  # each row prefilled and decoded by itself
+        for i in range(6):
+            cache = HFCache()
+            row = policy.prefill_last(tokens[i:i + 1, :9], plen[i:i + 1], cache)
+            alone.append((row, policy.decode(step[i:i + 1], plen[i:i + 1], cache)))
+    assert torch.allclose(first, torch.cat([a for a, _ in alone]), atol=1e-5, rtol=0)
+    assert torch.allclose(after, torch.cat([b for _, b in alone]), atol=1e-5, rtol=0)
+    assert distinct_prompts(tokens[:, :9], plen)[1].tolist() == [0, 0, 0, 1, 1, 2]
+    assert distinct_prompts(tokens[3:, :9], plen[3:] - torch.tensor([0, 1, 0])) is None  # lengths differ: distinct
+
+
+def test_scoring_runs_each_shared_prompt_once_with_the_whole_sequences_values_and_gradients():
+    policy = HFPolicy(tiny_qwen3_config())
+    tokens, plen, length = _shared_prompt_rows()
+    mask = (torch.arange(14)[None, :] >= plen[:, None]) & (torch.arange(14)[None, :] < length[:, None])
+    rows, cols = mask[:, 1:].nonzero(as_tuple=True)
+    seen = _rows_seen(policy)
+    shared = policy.action_hidden_states(tokens, plen, rows, cols)
+    assert seen == [3, 6]  # the 3 prompts, then the 6 responses
+    whole = policy.hidden_states(tokens[:, :-1])[rows, cols]
+    assert torch.allclose(shared, whole, atol=1e-5, rtol=0)
+    weights = torch.randn_like(whole)
+    params = [p for p in policy.parameters()]
+    got = torch.autograd.grad((shared * weights).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((whole * weights).sum(), params, allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert torch.allclose(g, w, atol=1e-5 * float(w.abs().max()), rtol=1e-4)
+    distinct = torch.randint(1, 64, (3, 14))  # no prompt repeats: the caller runs the whole sequences
+    assert policy.action_hidden_states(distinct, torch.tensor([4, 5, 6]), torch.tensor([0]), torch.tensor([4])) is None
+
+
+def test_activation_checkpointing_gives_the_same_values_and_gradients():
+    torch.manual_seed(0)
+    plain = HFPolicy(tiny_qwen3_config())
+    checkpointed = HFPolicy(tiny_qwen3_config())
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.checkpoint_activations()
+    tokens = torch.randint(0, 64, (3, 12))
+    recomputed = []
+    layer = checkpointed.model.model.layers[0]
+    layer.input_layernorm.register_forward_pre_hook(lambda m, args: recomputed.append(torch.is_grad_enabled()))
+    outs = [p(tokens) for p in (plain, checkpointed)]
+    assert torch.equal(outs[0], outs[1])
+    weights = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad((o * weights).sum(), list(p.parameters())) for o, p in zip(outs, (plain, checkpointed))]
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(*grads))
+    assert len(recomputed) == 2  # the layer ran again in the backward
+    assert not checkpointed.model.model.layers[0].self_attn.training  # no dropout switched on

@@ -38,6 +38,7 @@ TRIPS = {
     "replay-needs-experts": ["train.routing=replay"],
     "router-noise-needs-experts": ["mismatch.view=router-noise:1.0"],
     "vllm-runs-in-the-driver": ["rollout.engine=vllm", "rollout.runtime=process", *HF],
+    "checkpointing-is-transformers": ["train.activation_checkpointing=true"],
     "vllm-decodes-itself": ["rollout.engine=vllm", "rollout.decode_latency=0.1", *HF],
     "vllm-pins-weights": ["rollout.engine=vllm", "rollout.lag=1", "rollout.refresh=retain", *HF],
     "vllm-runs-transformers": ["rollout.engine=vllm"],

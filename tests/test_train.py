@@ -453,3 +453,42 @@ def test_held_out_evaluation_greedy_or_sampled(tmp_path):
                        repeats=4)["eval_reward"]
     assert 0 < sampled != greedy and (sampled * 64) == round(sampled * 64)  # 64 answers: 16 problems x 4
     assert run._evaluate() == sampled  # the run's own evaluation is the sampled one (temperature 1)
+
+
+def test_a_sync_run_without_a_view_samples_from_the_trainers_own_tensors_and_resumes_as_before(tmp_path):
+    """No lag, no staleness, no mismatch view: the sampler adopts the learner's tensors (one copy of the weights in
+    memory, Snapshot.sharing) and the lines, a resume included, are those of a sampler holding copies."""
+    config = tiny_config("train.steps=4", "train.eval_every=2", "train.checkpoint_every=2")
+    shared = Run(config, tmp_path / "shared")
+    shared.run()
+    learner = dict(shared.learner.policy.named_parameters())
+    sampler = dict(shared.source.worker.sampler.policy.named_parameters())
+    assert shared.source.adopt and learner.keys() == sampler.keys()
+    assert all(sampler[k].data_ptr() == v.data_ptr() for k, v in learner.items())
+    copies = Run(config, tmp_path / "copies")
+    copies.source.adopt = False  # the sampler keeps copies, as with a view or a lag
+    copies.run()
+    assert not any(p.data_ptr() == learner[k].data_ptr()
+                   for k, p in copies.source.worker.sampler.policy.named_parameters())
+    resumed = tmp_path / "resumed"
+    Run(tiny_config("train.steps=2", "train.eval_every=2", "train.checkpoint_every=2"), resumed).run()
+    Run(config, resumed).run(resume=True)  # the checkpoint's sampler weights are loaded as copies, then adopted again
+
+    def lines(d):
+        return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
+                for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    assert lines("shared") == lines("copies") == lines("resumed")
+    viewed = Run(tiny_config("train.steps=1", "mismatch.view=noise:0.05"), tmp_path / "viewed")
+    assert not viewed.source.adopt
+
+
+def test_ignore_eos_runs_every_response_to_max_new_tokens(tmp_path):
+    stops = Run(tiny_config("train.steps=2", "rollout.max_new_tokens=8"), tmp_path / "stops")
+    stops.run()
+    assert min(r["response_length"] for r in read_metrics(tmp_path / "stops")) < 8  # end ids do stop responses
+    full = Run(tiny_config("train.steps=2", "rollout.max_new_tokens=8", "rollout.ignore_eos=true"), tmp_path / "full")
+    full.source.worker.load(full.learner.publish())
+    batch, _ = full.source.worker.produce(0)
+    assert ((batch.length - batch.prompt_len) == 8).all()
+    full.run()
+    assert [r["response_length"] for r in read_metrics(tmp_path / "full")] == [8.0, 8.0]

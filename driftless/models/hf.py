@@ -66,6 +66,7 @@ class HFPolicy(nn.Module):
         self.replay: torch.Tensor | None = None  # [B, T, layers, k] expert ids to use instead (R3; −1: its own)
         self._routers = self._hook_routers()
         self._shape = None  # (B, T) of the forward running now: the routers see [B·T, D]
+        self.checkpointed = False  # train.activation_checkpointing (checkpoint_activations)
 
     # ------------------------------------------------------------------ mixture of experts
     def _hook_routers(self) -> list:
@@ -99,6 +100,25 @@ class HFPolicy(nn.Module):
     @property
     def max_seq_len(self) -> int:
         return self._max_seq_len
+
+    def checkpoint_activations(self) -> None:
+        """Activation checkpointing (``train.activation_checkpointing``): each decoder layer keeps its input only
+        and runs again in the backward (transformers' ``gradient_checkpointing_enable``, non-reentrant). Only the
+        layers are flagged as training (transformers checkpoints a layer when it is), not their attention or MLP,
+        so no dropout turns on: the values and gradients are those without checkpointing."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x: the new name
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if not layers:
+            raise ValueError(f"train.activation_checkpointing: {type(self.model).__name__} has no checkpointable "
+                             "layers (transformers' GradientCheckpointingLayer)")
+        for layer in layers:
+            layer.training = True
+        self.checkpointed = True
 
     def _check(self, tokens):
         if tokens.dim() != 2 or tokens.shape[1] == 0:
@@ -145,28 +165,23 @@ class HFPolicy(nn.Module):
         no prompt repeats, or for what this path does not cover (a mixture of experts, a position before a
         prompt's end): the caller then runs the whole sequences."""
         b = tokens.shape[0]
-        if self.route_shape is not None or b < 2 or rows.numel() == 0:
-            return None
+        if self.route_shape is not None or b < 2 or rows.numel() == 0 or (self.checkpointed and torch.is_grad_enabled()):
+            return None  # (a checkpointed layer keeps no cache to share)
         plen = prompt_len.to(tokens.device).long()
         if bool((cols < plen[rows] - 1).any()):
             return None
-        first: dict[tuple, int] = {}  # each distinct prompt -> the first row holding it
-        for i in range(b):
-            first.setdefault(tuple(tokens[i, : int(plen[i])].tolist()), i)
-        if len(first) == b:
+        distinct = distinct_prompts(tokens, plen)
+        if distinct is None:
             return None
-        order = {row: u for u, row in enumerate(first.values())}
-        inverse = torch.tensor([order[first[tuple(tokens[i, : int(plen[i])].tolist())]] for i in range(b)],
-                               device=tokens.device)
-        unique_rows = torch.tensor(list(first.values()), device=tokens.device)
+        unique_rows, inverse = distinct
         uplen = plen[unique_rows]
         width = int(uplen.max())
         span = torch.arange(width, device=tokens.device)
         prompt_mask = (span[None, :] < uplen[:, None]).long()
         base = getattr(self.model, self.model.base_model_prefix)
-        self._shape = (len(first), width)
+        self._shape = (len(unique_rows), width)
         head = base(input_ids=tokens[unique_rows, :width].long(), attention_mask=prompt_mask,
-                    position_ids=span[None, :].expand(len(first), width), use_cache=True)
+                    position_ids=span[None, :].expand(len(unique_rows), width), use_cache=True)
         hidden_prompt = head.last_hidden_state  # [U, width, D]
         ends = cols.new_zeros(b).scatter_reduce(0, rows, cols + 1, "amax")  # inputs end per row
         n_in = (ends - plen).clamp(min=0)  # response inputs per row: positions plen .. ends-1
@@ -209,6 +224,13 @@ class HFPolicy(nn.Module):
         of 52 tokens at a 49k vocabulary)."""
         if not self._keeps:
             return self.prefill(tokens, lengths, cache)[torch.arange(tokens.shape[0]), lengths - 1]
+        distinct = None if self.route_shape is not None else distinct_prompts(tokens, lengths)
+        if distinct is not None:  # a group's samples share one prompt: prefill it once, each row its own cache view
+            rows, inverse = distinct
+            last = self.prefill_last(tokens[rows], lengths[rows], cache)
+            cache.past.batch_select_indices(inverse)
+            cache.mask = cache.mask[inverse]
+            return last[inverse]
         self._check(tokens)
         t = tokens.shape[1]
         mask = (torch.arange(t, device=tokens.device)[None, :] < lengths[:, None]).long()
@@ -229,6 +251,20 @@ class HFPolicy(nn.Module):
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)
         return out.logits[:, -1].float()
+
+
+def distinct_prompts(tokens: torch.Tensor, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the first row of each distinct prompt ``[U]``, each row's index among them ``[B]``) when some rows share a
+    prompt (the same length and tokens: a GRPO group's samples); None when every prompt is distinct."""
+    first: dict[tuple, int] = {}  # each distinct prompt -> its index among the distinct ones
+    inverse = [first.setdefault(tuple(tokens[i, : int(prompt_len[i])].tolist()), len(first))
+               for i in range(tokens.shape[0])]
+    if len(first) == len(inverse):
+        return None
+    rows = [0] * len(first)
+    for i in reversed(range(len(inverse))):
+        rows[inverse[i]] = i
+    return (torch.tensor(rows, device=tokens.device), torch.tensor(inverse, device=tokens.device))
 
 
 # Routers whose gate weights are a softmax over all experts at the top-k ids, renormalized: by their

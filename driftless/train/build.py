@@ -253,6 +253,8 @@ def learner(config: RunConfig, state: dict, parts: Parts | None = None) -> Learn
     # the initial weights are the learner's to train (Run hands every other user its own copy, or these same
     # tensors to sample from); FSDP shards its own copy
     trained = policy(config, state, parts.tokenizer, adopt=config.train.parallel != "fsdp").to(device(config))
+    if config.train.activation_checkpointing:
+        trained.checkpoint_activations()
     if config.mismatch.trainer_numerics != "fp":
         trained.numerics = parts.view.quant.numerics.for_trainer(config.mismatch.trainer_numerics)
     o, t = config.optim, config.train

@@ -282,6 +282,7 @@ class TrainSection(_Section):
     ppo_epochs: int = _positive(1)  # optimizer passes over each batch (PPO epochs; the anchor π0 is fixed before the first)
     minibatches: int = _positive(1)  # optimizer steps per pass (rows split into contiguous minibatches)
     micro_batch_tokens: int | None = _at_least(None, 1)  # gradient accumulation: at most this many tokens a forward
+    activation_checkpointing: bool = False  # model.kind=hf: keep each layer's input only, recompute it in the backward
     reproducible: bool = False  # every operation of the run with the same bits on any CPU (driftless.ops.reproducible)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the learner's forward under autocast, float32 master weights
     learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.ranks)
@@ -472,6 +473,10 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.rollout.engine == "vllm" and c.rollout.refresh != "pin",
          lambda c: (f"rollout.refresh={c.rollout.refresh!r} is not supported by rollout.engine=vllm (it cannot swap "
                     "weights inside one generate call); use pin")),
+    Rule("checkpointing-is-transformers", ("train.activation_checkpointing", "model.kind"),
+         lambda c: c.train.activation_checkpointing and c.model.kind != "hf",
+         lambda c: (f"train.activation_checkpointing recomputes a transformers model's layers (model.kind=hf); "
+                    f"model.kind={c.model.kind!r} keeps its activations (lower train.micro_batch_tokens instead)")),
     Rule("vllm-runs-transformers", ("rollout.engine", "model.kind"),
          lambda c: c.rollout.engine == "vllm" and c.model.kind != "hf",
          lambda c: f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), got {c.model.kind!r}"),
