@@ -152,6 +152,9 @@ def child(args) -> None:
         else:
             run_trl(args, out, {"trl": None, "dtrl32": 32, "dtrl128": 128}[args.child])
     out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    import driftless
+
+    out["driftless_from"] = str(Path(driftless.__file__).resolve().parents[1])
     print("RESULT " + json.dumps(out))
 
 
@@ -172,9 +175,15 @@ def main() -> None:
     ap.add_argument("--model", default=os.environ.get("DRIFTLESS_REAL_MODEL", "runs/models/smollm2-135m-instruct"))
     ap.add_argument("--data", default="runs/data/arithmetic-question")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--before-tree", help="a checkout of earlier driftless code: adds the side own-before (the own "
+                    "trainer imported from there, with the same overrides), interleaved with the rest")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.before_tree and not args.child:
+        args.sides = [*args.sides, "own-before"]
     for side in [args.child] if args.child else args.sides:
+        if side == "own-before":
+            continue
         if side.partition("@")[0] not in SIDES or ("@" in side and not side.startswith("own@")):
             ap.error(f"unknown side {side!r}: one of {', '.join(SIDES)}, or own@KEY=VALUE,...")
     if args.child:
@@ -187,8 +196,12 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", side] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                 if k in ("steps", "prompts", "group", "new_tokens", "model", "data")]
+            env = dict(os.environ)
+            if side == "own-before":  # the earlier code first on the path (a script's own folder is bench/, not ROOT)
+                cmd[3] = "own"
+                env["PYTHONPATH"] = os.pathsep.join(x for x in (args.before_tree, env.get("PYTHONPATH")) if x)
             t0 = time.perf_counter()
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
             if done.returncode:
                 raise SystemExit(f"{side} failed:\n{done.stderr[-3000:]}")
             got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
@@ -211,7 +224,7 @@ def main() -> None:
             if side != "trl":
                 ratios[f"{side}_vs_trl_step"] = round(summary[side]["step_s"] / summary["trl"]["step_s"], 3)
                 ratios[f"{side}_vs_trl_peak_rss"] = round(summary[side]["peak_rss_gb"] / summary["trl"]["peak_rss_gb"], 3)
-    result = {"bench": "vs_trl", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": os.cpu_count(),
+    result = {"bench": "vs_trl", "before_tree": args.before_tree, "cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": os.cpu_count(),
               "batch": f"{args.prompts}x{args.group}", "new_tokens": args.new_tokens, "steps": args.steps,
               "rounds": args.rounds, "ratios": ratios, "summary": summary, "runs": runs}
     text = json.dumps(result, indent=1)
