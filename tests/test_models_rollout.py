@@ -490,3 +490,32 @@ def test_check_alignment_json(capsys):
     assert result["modes"]["aligned"]["bitwise_equal_fraction"] == 1.0
     assert result["modes"]["aligned"]["max_abs_logp_diff"] == 0.0
     assert result["modes"]["fast"]["max_abs_logp_diff"] > 0.0
+
+
+@pytest.mark.parametrize("execution", ["fast", "aligned"])
+def test_a_sampler_adopts_a_shared_snapshot_samples_its_updates_and_never_writes_into_it(execution):
+    trainer, sampler_policy = make_model(execution), make_model(execution, seed=1)
+    sampler = Sampler(sampler_policy, head_k=4)
+    sampler.load(Snapshot.sharing(trainer, 0))
+    assert sampler.adopted
+    assert all(p.data_ptr() == trainer.state_dict()[k].data_ptr() for k, p in sampler_policy.state_dict().items())
+    prompts = [[1, 2, 3], [4, 5]]
+    with torch.no_grad():  # an optimizer step on the trainer: the sampler samples from it as it is
+        for p in trainer.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    fresh = Sampler(make_model(execution, seed=2), head_k=4)
+    fresh.load(Snapshot.of(trainer, 1))  # copies: what a sampler loading version 1 holds
+    got = sampler.generate(prompts, max_new_tokens=6, seed=3)
+    want = fresh.generate(prompts, max_new_tokens=6, seed=3)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.sampler_logp, want.sampler_logp)
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    sampler.load(Snapshot.of(make_model(execution, seed=3), 2))  # a plain load (a resume's): copies of its own
+    assert not sampler.adopted
+    assert all(torch.equal(v, before[k]) for k, v in trainer.state_dict().items())  # the trainer untouched
+
+    class View:  # any mismatch view may change the weights it is applied to: the sampler copies
+        def apply(self, policy):
+            pass
+    viewed = Sampler(make_model(execution, seed=1), head_k=4, view=View())
+    viewed.load(Snapshot.sharing(trainer, 0))
+    assert not viewed.adopted
