@@ -189,7 +189,7 @@ class HFPolicy(nn.Module):
         if wide == 0:
             return hidden_prompt[inverse[rows], cols]
         cache = self._cache_of(head)
-        cache.batch_select_indices(inverse)  # each row's prompt keys and values, graph kept
+        select_cache_rows(cache, inverse)  # each row's prompt keys and values, graph kept
         j = torch.arange(wide, device=tokens.device)
         at = (plen[:, None] + j[None, :]).clamp(max=tokens.shape[1] - 1)
         inputs = tokens.gather(1, at).long()
@@ -198,7 +198,8 @@ class HFPolicy(nn.Module):
         tail = base(input_ids=inputs, attention_mask=mask, position_ids=plen[:, None] + j[None, :],
                     use_cache=True, **{self._cache_kw: cache}).last_hidden_state  # [B, wide, D]
         at_prompt = (cols == plen[rows] - 1)[:, None]
-        from_prompt = hidden_prompt[inverse[rows], cols.clamp(max=width - 1)]
+        flat = (inverse[rows] * width + cols.clamp(max=width - 1))  # index_select: a deterministic backward
+        from_prompt = hidden_prompt.reshape(-1, hidden_prompt.shape[-1]).index_select(0, flat)
         from_tail = tail[rows, (cols - plen[rows]).clamp(min=0, max=wide - 1)]
         return torch.where(at_prompt, from_prompt, from_tail)
 
@@ -228,7 +229,7 @@ class HFPolicy(nn.Module):
         if distinct is not None:  # a group's samples share one prompt: prefill it once, each row its own cache view
             rows, inverse = distinct
             last = self.prefill_last(tokens[rows], lengths[rows], cache)
-            cache.past.batch_select_indices(inverse)
+            select_cache_rows(cache.past, inverse)
             cache.mask = cache.mask[inverse]
             return last[inverse]
         self._check(tokens)
@@ -251,6 +252,21 @@ class HFPolicy(nn.Module):
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)
         return out.logits[:, -1].float()
+
+
+def select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Row ``rows[i]`` of every layer's keys and values as row i (a prompt's cache given to each of its samples), by
+    ``index_select``: its backward (``index_add``) sums a shared prompt's gradients in one fixed order, where
+    transformers' ``batch_select_indices`` indexes (``index_put`` with accumulation, whose order follows the CPU
+    threads: the same run gave other bits after a resume)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        cache.batch_select_indices(rows)
+        return
+    for layer in layers:
+        if isinstance(layer.keys, torch.Tensor) and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
 
 
 def distinct_prompts(tokens: torch.Tensor, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
