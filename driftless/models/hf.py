@@ -159,7 +159,7 @@ class HFPolicy(nn.Module):
                              cols: torch.Tensor) -> torch.Tensor | None:
         """The final hidden states ``[N, D]`` at positions ``(rows, cols)`` of ``tokens`` (each at or after its row's
         last prompt position ``prompt_len - 1``), with each distinct prompt run once: rows that share a prompt (a
-        GRPO group's samples) share its keys and values (``DynamicCache.batch_select_indices``, differentiable),
+        GRPO group's samples) share its keys and values (``select_cache_rows``: differentiable, a fixed-order backward),
         and only the responses run per row. The same values as ``hidden_states(tokens)[rows, cols]`` up to float
         rounding (other GEMM shapes), at a fraction of the tokens when groups are large and prompts long. None when
         no prompt repeats, or for what this path does not cover (a mixture of experts, a position before a
