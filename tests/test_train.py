@@ -465,6 +465,7 @@ def test_a_sync_run_without_a_view_samples_from_the_trainers_own_tensors_and_res
     sampler = dict(shared.source.worker.sampler.policy.named_parameters())
     assert shared.source.adopt and learner.keys() == sampler.keys()
     assert all(sampler[k].data_ptr() == v.data_ptr() for k, v in learner.items())
+    assert shared.source.sampler_snapshot().version == shared.learner.version == 4  # what a checkpoint labels them
     copies = Run(config, tmp_path / "copies")
     copies.source.adopt = False  # the sampler keeps copies, as with a view or a lag
     copies.run()

@@ -87,6 +87,12 @@ def _adoptable(policy, state: dict) -> bool:
         t.shape == own[k].shape and t.dtype == own[k].dtype and t.device == own[k].device for k, t in state.items())
 
 
+def _holds(policy, state: dict) -> bool:
+    """Whether ``policy``'s own tensors already are ``state``'s (the same storage, offset and shape)."""
+    own = policy.state_dict()
+    return all(own[k].data_ptr() == t.data_ptr() and own[k].shape == t.shape for k, t in state.items())
+
+
 def _device(policy) -> torch.device:
     """Where ``policy``'s weights are (the CPU for a policy without parameters)."""
     params = getattr(policy, "parameters", None)
@@ -126,7 +132,8 @@ class Sampler(EndIds):
             raise ValueError(f"Sampler.load needs a Snapshot with a version, got {type(snapshot).__name__}")
         with torch.no_grad():
             if snapshot.shared and self.unviewed and _adoptable(self.policy, snapshot.state):
-                adopt_state(self.policy, snapshot.state)
+                if not (self.adopted and _holds(self.policy, snapshot.state)):  # the same tensors: nothing to do
+                    adopt_state(self.policy, snapshot.state)  # (new Parameters would refill id-keyed caches)
                 self.adopted = True
             elif self.adopted:  # copying would write into the trainer's tensors: take copies of our own instead
                 adopt_state(self.policy, clone_state(snapshot.state))

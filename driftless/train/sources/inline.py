@@ -33,8 +33,10 @@ class InlineSource:
         # a sampler that reads exactly the trainer's weights (no lag, no staleness, no mismatch view, the built-in
         # engine, a learner in this process and unsharded) holds the trainer's own tensors instead of a copy: one
         # copy of the weights in memory (Snapshot.sharing)
+        # (on the CPU only: a learner on a GPU keeps its sampler's copy on the CPU, as before, with its own buffers)
         self.adopt = (not self.lag and self.every == 1 and getattr(parts.view, "identity", False)
-                      and config.rollout.engine == "driftless" and getattr(learner, "sharded", True) is False)
+                      and config.rollout.engine == "driftless" and getattr(learner, "sharded", True) is False
+                      and build.device(config).type == "cpu")
         self.worker = build.worker(config, learner.publish(shared=True).state if self.adopt else state, parts,
                                    adopt=self.adopt)
         self.worker.sampler.adopted = self.adopt  # its tensors are the trainer's: a resume's load copies, never writes
@@ -77,7 +79,10 @@ class InlineSource:
                 del self.history[old]
 
     def sampler_snapshot(self) -> Snapshot | None:
-        return self.worker.snapshot
+        snapshot = self.worker.snapshot
+        if snapshot is not None and snapshot.shared:  # the learner's live tensors: they hold its current version
+            return Snapshot(snapshot.state, self.learner.version)
+        return snapshot
 
     def snapshots(self) -> dict[int, Snapshot]:
         return dict(self.history)
