@@ -164,6 +164,7 @@ class HFPolicy(nn.Module):
         rounding (other GEMM shapes), at a fraction of the tokens when groups are large and prompts long. None when
         no prompt repeats, or for what this path does not cover (a mixture of experts, a position before a
         prompt's end): the caller then runs the whole sequences."""
+        self._check(tokens[:, :-1])  # what the whole-sequence forward would check
         b = tokens.shape[0]
         if self.route_shape is not None or b < 2 or rows.numel() == 0 or (self.checkpointed and torch.is_grad_enabled()):
             return None  # (a checkpointed layer keeps no cache to share)
