@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _timing import emit
+
 PHASES = ("rollout_s", "score_s", "loss_s", "optim_s", "step_time")
 
 
@@ -72,11 +74,7 @@ def main() -> None:
               os.cpu_count(), "steps": args.steps,
               "runs": [one(b, args.steps, args.micro_batch_tokens, args.model) for b in args.batches],
               "driver_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

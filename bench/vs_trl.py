@@ -32,16 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from _timing import emit
+from real_model import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("own", "trl", "dtrl32", "dtrl128")
 LR, CLIP = 0.05, 1.0
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def cpu_flags() -> str:
@@ -227,11 +223,7 @@ def main() -> None:
     result = {"bench": "vs_trl", "before_tree": args.before_tree, "cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": os.cpu_count(),
               "batch": f"{args.prompts}x{args.group}", "new_tokens": args.new_tokens, "steps": args.steps,
               "rounds": args.rounds, "ratios": ratios, "summary": summary, "runs": runs}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out, indent=1)
 
 
 if __name__ == "__main__":
