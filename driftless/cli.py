@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.set_defaults(func=_replay)
 
     cal = sub.add_parser("calibrate", help="train named settings without mismatch, several seeds; held-out gains")
-    cal.add_argument("--settings", nargs="+", default=None, help="names from driftless.experiments.calibrate.SETTINGS")
+    cal.add_argument("--settings", nargs="+", default=None, help="names from driftless.recipes.calibrate.SETTINGS")
     cal.add_argument("--seeds", type=int, default=3)
     cal.add_argument("--workers", type=int, default=2)
     cal.add_argument("--run-dir", default="runs/calibration")
@@ -316,7 +316,7 @@ def _pack(args) -> int:
             print(f"skipped {r}: no done.json (unfinished, or not a sweep run: --unfinished packs it)", file=sys.stderr)
     before = after = 0
     if args.slim:
-        from driftless.experiments.sweep_report import RECORD_COLUMNS
+        from driftless.recipes.sweep_report import RECORD_COLUMNS
     for run in runs:
         b, a = slim_run(run, RECORD_COLUMNS) if args.slim else pack_run(run)
         before, after = before + b, after + a
@@ -326,7 +326,7 @@ def _pack(args) -> int:
 
 
 def _check_alignment(args) -> int:
-    from driftless.experiments.alignment import MODES, run_check
+    from driftless.recipes.alignment import MODES, run_check
     from driftless.rollout import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -359,7 +359,7 @@ def _check_alignment(args) -> int:
 
 
 def _mismatch_table(args) -> int:
-    from driftless.experiments.mismatch_table import format_table, run_config_table, run_table
+    from driftless.recipes.mismatch_table import format_table, run_config_table, run_table
 
     looks_like_override = [k for k in args.kinds or () if "=" in k]
     if looks_like_override:
@@ -389,7 +389,7 @@ def _mismatch_table(args) -> int:
 
 
 def _train(args) -> int:
-    from driftless.experiments.report import write_run_report
+    from driftless.recipes.report import write_run_report
     from driftless.train import load_config, train
 
     config = load_config(args.config, args.overrides)
@@ -435,7 +435,7 @@ def torch_equal(a, b) -> bool:
 
 
 def _calibrate(args) -> int:
-    from driftless.experiments.calibrate import run_calibration
+    from driftless.recipes.calibrate import run_calibration
 
     report = run_calibration(args.run_dir, settings=args.settings, seeds=args.seeds, workers=args.workers,
                              progress=not args.no_progress)
@@ -444,8 +444,8 @@ def _calibrate(args) -> int:
 
 
 def _sweep(args) -> int:
-    from driftless.experiments.sweep import run_sweep
-    from driftless.experiments.sweep_report import write_sweep_report
+    from driftless.recipes.sweep import run_sweep
+    from driftless.recipes.sweep_report import write_sweep_report
 
     missing = [d for d in args.reuse if not Path(d).is_dir()]
     if missing:
@@ -462,14 +462,14 @@ def _sweep(args) -> int:
 
 
 def _report(args) -> int:
-    from driftless.experiments.sweep_report import write_sweep_report
+    from driftless.recipes.sweep_report import write_sweep_report
 
     print(write_sweep_report(args.sweep_dir, by=args.by, references=args.references, pairs=args.pairs).read_text())
     return 0
 
 
 def _compare(args) -> int:
-    from driftless.experiments.sweep_report import compare_sweeps
+    from driftless.recipes.sweep_report import compare_sweeps
 
     text = compare_sweeps(args.sweep_dirs, labels=args.labels, by=args.by)
     if args.out:
@@ -480,12 +480,12 @@ def _compare(args) -> int:
 
 
 def _study(args) -> int:
-    from driftless.experiments.study import run_study
+    from driftless.recipes.study import run_study
 
     if args.quick and args.only:
         raise ValueError("study: --quick and --only exclude each other")
     if args.reports:
-        from driftless.experiments.study import write_reports
+        from driftless.recipes.study import write_reports
 
         for path in write_reports(args.run_dir or "results/study", only=args.only):
             print(path)
@@ -497,10 +497,10 @@ def _study(args) -> int:
 
 
 def _demo(args) -> int:
-    from driftless.experiments.demo import run_demo
+    from driftless.recipes.demo import run_demo
 
     if args.warm_start_seeds is not None:
-        from driftless.experiments.demo import run_demo_check
+        from driftless.recipes.demo import run_demo_check
 
         report = run_demo_check(args.run_dir or "runs/demo-check", warm_start_seeds=args.warm_start_seeds,
                                 methods=args.methods, seeds=args.seeds, first_seed=args.first_seed,
@@ -511,7 +511,7 @@ def _demo(args) -> int:
                           workers=args.workers)
     print(report.read_text())
     if args.expect:
-        from driftless.experiments.demo import differences
+        from driftless.recipes.demo import differences
 
         found = differences(report.parent, args.expect, methods=args.methods)
         if found:
@@ -522,7 +522,7 @@ def _demo(args) -> int:
 
 
 def _make_model(args) -> int:
-    from driftless.experiments.make_model import DEFAULT_LR, DEFAULT_STEPS, make_model, read_jsonl
+    from driftless.recipes.make_model import DEFAULT_LR, DEFAULT_STEPS, make_model, read_jsonl
     from driftless.train import load_config
 
     if (args.data is None) != (args.eval_data is None):

@@ -29,7 +29,7 @@ def hf_stand_in(tmp_path) -> list[str]:
     """What a user brings, small: Countdown rows as JSONL files and a save_pretrained Qwen3 checkpoint with its
     BPE tokenizer and chat template (driftless make-model, 2 layers of 32), under ``tmp_path``; the overrides
     that train it with the countdown reward, sc+tis over an 8-token head and sampler noise 0.1, for 2 steps."""
-    from driftless.experiments.make_model import make_model
+    from driftless.recipes.make_model import make_model
     from driftless.tasks import Countdown, CountdownConfig
     from driftless.tasks.export import task_rows, write_jsonl
 

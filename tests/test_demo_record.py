@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from driftless.experiments.demo import (
+from driftless.recipes.demo import (
     METHODS,
     RECORD,
     differences,
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_readme_states_the_records_numbers():
     assert readme_numbers(REPO / "README.md") == numbers_table(RECORD), (
-        "README.md's demo numbers are not the record's: paste driftless.experiments.demo.numbers_table() "
+        "README.md's demo numbers are not the record's: paste driftless.recipes.demo.numbers_table() "
         "between its demo-numbers markers")
 
 

@@ -162,7 +162,7 @@ PAIRS = [p for p in kernel_pairs() if "default" not in (p[0]["ATEN_CPU_CAPABILIT
                                              for s, t in PAIRS])
 def test_fused_sampler_and_trainer_agree_across_processes_and_kernel_sets(tmp_path, pair):
     """Sampler and trainer processes each run the fused pieces for the ISA their kernel set names; bit for bit."""
-    from driftless.experiments.alignment import cross_process_check
+    from driftless.recipes.alignment import cross_process_check
 
     model = TinyLM(TinyLMConfig())
     model.reset_parameters(seed=4)

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from driftless.cli import main
-from driftless.experiments.make_model import (
+from driftless.recipes.make_model import (
     INFO_FILE,
     greedy_reward,
     make_model,
@@ -200,9 +200,9 @@ def test_rows_of_other_shapes(tmp_path):
 
 
 def test_the_stand_in_is_built_where_configs_hf_yaml_reads_it_and_the_bpe_study_loads(tmp_path, monkeypatch):
-    from driftless.experiments.make_model import build_stand_in, countdown_rows, read_jsonl
-    from driftless.experiments.study import CLAIMS, STUDY_DIR
-    from driftless.experiments.sweep import load_experiment
+    from driftless.recipes.make_model import build_stand_in, countdown_rows, read_jsonl
+    from driftless.recipes.study import CLAIMS, STUDY_DIR
+    from driftless.recipes.sweep import load_experiment
 
     small = {**TINY, "sft_steps": 2}  # the build and its paths are under test, not what SFT teaches
     info = build_stand_in(tmp_path / "runs", **small)

@@ -131,7 +131,7 @@ def test_kernel_pairs_are_runnable_here_and_differ():
 
 
 def test_a_kernel_set_the_cpu_lacks_is_refused_before_any_process(tmp_path, monkeypatch):
-    from driftless.experiments.alignment import cross_process_check
+    from driftless.recipes.alignment import cross_process_check
     from driftless.ops import cpu
 
     monkeypatch.setattr(cpu, "reported_kernel_set", lambda: "avx2")  # as on an AVX2-only machine
@@ -150,7 +150,7 @@ def test_a_kernel_set_the_cpu_lacks_is_refused_before_any_process(tmp_path, monk
 def test_aligned_sampler_and_trainer_agree_across_processes_and_cpu_kernels(tmp_path, params, pair):
     """Sampler and trainer in two processes with other kernel sets (each one this CPU reports), MKL
     branches and thread counts. Bit for bit."""
-    from driftless.experiments.alignment import cross_process_check
+    from driftless.recipes.alignment import cross_process_check
 
     model = make_model("fast", TinyLMConfig(), seed=4)
     prompts = [s.tolist() for s in random_seqs(5, seed=2, lo=2, hi=9)]
@@ -167,7 +167,7 @@ def test_aligned_sampler_and_trainer_agree_across_processes_and_cpu_kernels(tmp_
 def test_fast_mode_differs_across_cpu_kernels(tmp_path):
     """Control for the test above: without aligned execution, other kernels give other bits
     (the first pair: scalar kernels against the best set this CPU runs)."""
-    from driftless.experiments.alignment import cross_process_check
+    from driftless.recipes.alignment import cross_process_check
 
     model = make_model("fast", TinyLMConfig(), seed=4)
     prompts = [s.tolist() for s in random_seqs(5, seed=2, lo=2, hi=9)]

@@ -322,7 +322,7 @@ def test_a_transformers_moe_checkpoint_records_and_replays_routes_through_its_ro
 
 
 def test_the_mismatch_table_reports_route_flips_and_the_kl_replay_leaves():
-    from driftless.experiments.mismatch_table import format_table, run_table
+    from driftless.recipes.mismatch_table import format_table, run_table
 
     result = run_table(kinds=("none", "w8a8", "noise:0.02"), num_prompts=8, max_new_tokens=8, n_experts=8)
     none, w8a8, noise = (result["kinds"][k] for k in ("none", "w8a8", "noise:0.02"))
@@ -340,7 +340,7 @@ def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_id
     import random
 
     from driftless.cli import main
-    from driftless.experiments import mismatch_table
+    from driftless.recipes import mismatch_table
     from driftless.train import build, load_config
 
     seen = []
@@ -431,7 +431,7 @@ def test_a_mixtral_router_always_renormalizes_and_an_unknown_router_refuses_repl
 
 
 def test_check_alignment_reports_how_often_the_trainer_routes_like_the_sampler():
-    from driftless.experiments.alignment import run_check
+    from driftless.recipes.alignment import run_check
 
     result = run_check(modes=("fast", "aligned", "aligned+quant"), n_experts=4, num_prompts=4, max_new_tokens=8)
     modes = result["modes"]
@@ -448,7 +448,7 @@ def test_check_alignment_reports_how_often_the_trainer_routes_like_the_sampler()
 def test_aligned_moe_sampler_and_trainer_route_alike_across_processes_and_kernel_sets(tmp_path):
     """Sampler and trainer of an aligned MoE TinyLM in two processes with other kernel sets, MKL branches and
     thread counts (the first pair this CPU reports): the same bits and the same experts for every token-layer."""
-    from driftless.experiments.alignment import cross_process_check
+    from driftless.recipes.alignment import cross_process_check
 
     model = TinyLM(TinyLMConfig(**CONFIG, n_experts=4))
     model.reset_parameters(seed=3)

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from driftless.experiments.make_model import make_model
+from driftless.recipes.make_model import make_model
 from driftless.models.hf_tokenizer import HFTokenizer
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows, write_jsonl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftless.experiments.mismatch_table import measure_view
+from driftless.recipes.mismatch_table import measure_view
 from driftless.mismatch import SyncPolicy, WeightNoise, parse_view
 from driftless.models import TinyLM, TinyLMConfig
 from driftless.ops.numerics import Numerics, native_matmul
@@ -208,7 +208,7 @@ def test_measured_kl_grows_with_severity():
 
 
 def test_aligned_quantized_sampler_agrees_with_matching_trainer_forward():
-    from driftless.experiments.alignment import run_check
+    from driftless.recipes.alignment import run_check
 
     for view, numerics in (("w8a8+kv:int8", "fwd-fq"), ("w8a8-fp8+kv:fp4+native", "native"), ("dtype:bf16", "fwd-fq")):
         r = run_check(modes=("aligned+quant",), num_prompts=4, max_new_tokens=8, view=view, trainer_numerics=numerics)

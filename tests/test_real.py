@@ -121,8 +121,8 @@ def test_one_step_of_driftless_grpo_trainer_in_trl_on_the_real_checkpoint(tmp_pa
 
 
 def test_the_real_study_experiment_loads_against_the_imported_checkpoint():
-    from driftless.experiments.study import CLAIMS, STUDY_DIR
-    from driftless.experiments.sweep import load_experiment
+    from driftless.recipes.study import CLAIMS, STUDY_DIR
+    from driftless.recipes.sweep import load_experiment
 
     for claim in [c for c in CLAIMS if c.real]:
         exp = load_experiment(STUDY_DIR / f"{claim.name}.yaml")  # checks every trial against the checkpoint

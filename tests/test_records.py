@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from driftless.cli import main
-from driftless.experiments.report import summarize
-from driftless.experiments.sweep_report import write_sweep_report
+from driftless.recipes.report import summarize
+from driftless.recipes.sweep_report import write_sweep_report
 from driftless.train import load_config, train
 from driftless.train.loop import TIMING_KEYS
 from driftless.train.sinks import pack_run, read_metrics, record_path, unpack_run
@@ -58,7 +58,7 @@ def test_a_packed_run_trained_further_resumes_from_its_checkpoint_and_matches_an
 
 
 def test_driftless_pack_packs_finished_runs_only_and_the_report_reads_them(tmp_path, capsys):
-    from driftless.experiments.sweep import run_trial
+    from driftless.recipes.sweep import run_trial
 
     sweep = tmp_path / "sweep"
     run_trial(None, [*SMALL, "train.seed=0"], sweep / "a")  # a sweep trial packs its record when it finishes
@@ -76,8 +76,8 @@ def test_driftless_pack_packs_finished_runs_only_and_the_report_reads_them(tmp_p
 
 
 def test_a_slimmed_record_keeps_the_reports_columns_and_gives_the_same_report_and_plots(tmp_path, capsys):
-    from driftless.experiments.sweep import run_trial
-    from driftless.experiments.sweep_report import RECORD_COLUMNS
+    from driftless.recipes.sweep import run_trial
+    from driftless.recipes.sweep_report import RECORD_COLUMNS
 
     sweep = tmp_path / "sweep"
     for seed in (0, 1):
@@ -102,7 +102,7 @@ def test_a_slimmed_record_keeps_the_reports_columns_and_gives_the_same_report_an
 def test_every_study_report_regenerates_byte_for_byte_from_the_committed_records():
     """The records committed under results/study keep only the columns the reports read (``pack --slim``):
     each experiment's report.md and plots, regenerated from them, are the committed bytes."""
-    from driftless.experiments import study
+    from driftless.recipes import study
 
     root = REPO / "results" / "study"
     names = [c.name for c in study.CLAIMS if (root / c.name / "sweep.json").exists()]

@@ -104,7 +104,7 @@ def test_training_is_bitwise_the_same_on_every_kernel_set(runs, case, pair):
 def warm_start_digest_in(profile: dict[str, str], cache: Path) -> str:
     """The warm start as the sweep's driver makes it (`driftless demo`, before any trial): outside any run."""
     code = ("import sys, json; from driftless.train import load_config; "
-            "from driftless.experiments.sweep import prepare_warm_starts; from driftless.train import build; "
+            "from driftless.recipes.sweep import prepare_warm_starts; from driftless.train import build; "
             f"cfg = load_config({str(REPO / 'configs/demo.yaml')!r}, {[*SHRUNK, f'warm_start.cache_dir={cache}']!r}); "
             "prepare_warm_starts([cfg], progress=False); "
             "print(build.initial_state(cfg, progress=False)[1]['weights_sha256'])")

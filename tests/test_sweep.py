@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from driftless.cli import main
-from driftless.experiments.sweep import load_experiment
-from driftless.experiments.sweep_report import collapse_step, write_sweep_report
+from driftless.recipes.sweep import load_experiment
+from driftless.recipes.sweep_report import collapse_step, write_sweep_report
 from driftless.train.loop import TIMING_KEYS
 from driftless.train.sinks import read_metrics, record_path
 
@@ -123,7 +123,7 @@ def test_a_failing_trial_is_named_and_the_others_finish(tmp_path, capsys):
 
 
 def test_reuse_gives_every_twin_the_record_and_drops_a_killed_trials_partial_lines(tmp_path):
-    from driftless.experiments.sweep import reuse_finished
+    from driftless.recipes.sweep import reuse_finished
     from driftless.train.config import dump_config, load_config
 
     def config(seed):
@@ -150,7 +150,7 @@ def test_reuse_gives_every_twin_the_record_and_drops_a_killed_trials_partial_lin
 def test_reuse_takes_only_a_run_that_started_from_the_weights_this_machine_would_start_from(tmp_path):
     """A fast-mode warm start's bits follow the CPU's kernels: the same computation recorded on another machine
     started from other weights, and pairing it with runs trained here would compare two starting points."""
-    from driftless.experiments.sweep import recorded_start, reuse_finished, start_digests
+    from driftless.recipes.sweep import recorded_start, reuse_finished, start_digests
     from driftless.train.config import dump_config, load_config
 
     cfg = load_config(None, [f"{k}={v}" for k, v in SMALL.items()])
@@ -222,7 +222,7 @@ def test_a_reference_is_crossed_with_the_seeds_only(tmp_path):
 
 
 def test_every_study_experiment_loads():
-    from driftless.experiments.study import CLAIMS, QUICK, STUDY_DIR
+    from driftless.recipes.study import CLAIMS, QUICK, STUDY_DIR
 
     names = {p.stem for p in STUDY_DIR.glob("*.yaml")}
     assert names == {c.name for c in (*CLAIMS, QUICK)}
@@ -238,7 +238,7 @@ def test_every_study_experiment_loads():
 
 @pytest.mark.slow  # make test-slow
 def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped(tmp_path, monkeypatch):
-    from driftless.experiments import study
+    from driftless.recipes import study
 
     exps = tmp_path / "exps"
     exps.mkdir()
@@ -308,7 +308,7 @@ def test_the_study_reuses_identical_finished_runs_and_continues_where_it_stopped
 
 def test_a_finished_trial_can_drop_its_checkpoints_and_keep_its_record(tmp_path):
     """The study trains ~250 runs: lagged runs keep past weights in their checkpoints (GBs per experiment)."""
-    from driftless.experiments.sweep import RUN_RECORD, run_trial
+    from driftless.recipes.sweep import RUN_RECORD, run_trial
 
     overrides = [f"{k}={v}" for k, v in {**SMALL, "train.trace": True}.items()]
     kept, pruned = tmp_path / "kept", tmp_path / "pruned"
@@ -322,7 +322,7 @@ def test_a_finished_trial_can_drop_its_checkpoints_and_keep_its_record(tmp_path)
 
 
 def test_paired_intervals_are_student_t_over_the_seeds_and_say_when_they_exclude_zero():
-    from driftless.experiments.sweep_report import paired_interval, separation
+    from driftless.recipes.sweep_report import paired_interval, separation
 
     mean, low, high = paired_interval([0.1, 0.2, 0.3])
     half = 4.302652729749462 * 0.1 / 3 ** 0.5  # t(0.975, 2 degrees of freedom) × sd / sqrt(n)
@@ -336,7 +336,7 @@ def test_paired_intervals_are_student_t_over_the_seeds_and_say_when_they_exclude
 def test_early_late_means_the_first_and_last_fifth_of_the_steps():
     import math
 
-    from driftless.experiments.sweep_report import early_late
+    from driftless.recipes.sweep_report import early_late
 
     rows = [{"kl_k3": float(i)} for i in range(10)] + [{"other": 1.0}]
     assert early_late(rows, "kl_k3") == (0.5, 8.5)  # steps 0-1 and 8-9
@@ -345,7 +345,7 @@ def test_early_late_means_the_first_and_last_fifth_of_the_steps():
 
 
 def test_the_drift_table_gives_each_groups_growth_and_each_runs_own():
-    from driftless.experiments.sweep_report import _drift_table
+    from driftless.recipes.sweep_report import _drift_table
 
     def run(seed, kls):
         return {"seeds": (seed, None), "rows": [{"kl_k3": k, "eq1_movement_abs": 0.5 * k, "eq1_disagreement_abs": 1.0,
@@ -358,7 +358,7 @@ def test_the_drift_table_gives_each_groups_growth_and_each_runs_own():
 
 
 def test_the_seed_table_lists_each_groups_final_reward_by_seed():
-    from driftless.experiments.sweep_report import _seed_table
+    from driftless.recipes.sweep_report import _seed_table
 
     def run(seed, final, initial=0.3):
         return {"seeds": (seed, None), "final": final, "best": final + 0.1, "initial": initial}
@@ -395,7 +395,7 @@ def fake_sweep(root, finals: dict[str, list[float]], start=0.3, kl: dict[str, fl
 
 def test_compare_puts_two_sweeps_verdicts_side_by_side_and_says_where_they_differ(tmp_path, capsys):
     from driftless.cli import main
-    from driftless.experiments.sweep_report import compare_sweeps
+    from driftless.recipes.sweep_report import compare_sweeps
 
     a = fake_sweep(tmp_path / "sgd", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1], "sc": [0.5, 0.52, 0.48]})
     b = fake_sweep(tmp_path / "adamw", {"reference": [0.5, 0.5, 0.5], "pg": [0.45, 0.5, 0.56], "sc": [0.5, 0.51, 0.49],
@@ -418,7 +418,7 @@ def test_compare_puts_two_sweeps_verdicts_side_by_side_and_says_where_they_diffe
 
 
 def test_the_paired_table_pairs_the_auc_too_so_a_dip_that_recovers_shows(tmp_path):
-    from driftless.experiments.sweep_report import _interval_cell, paired_interval
+    from driftless.recipes.sweep_report import _interval_cell, paired_interval
 
     sweep = fake_sweep(tmp_path / "s", {"reference": [0.5, 0.5, 0.5], "pg": [0.0, 0.0, 0.1]})
     report = write_sweep_report(sweep).read_text()
@@ -453,7 +453,7 @@ def test_report_pairs_give_no_kl_ratio_over_a_run_without_mismatch(tmp_path, cap
 
 
 def test_report_pairs_split_labels_that_hold_colons_themselves(tmp_path):
-    from driftless.experiments.sweep_report import split_pair
+    from driftless.recipes.sweep_report import split_pair
 
     groups = {"pg, noise:0.3": [], "sc, noise:0.3": [], "pg, noise:0.6": []}
     assert split_pair("sc, noise:0.3:pg, noise:0.3", groups, "s", ["variant"]) == ("sc, noise:0.3", "pg, noise:0.3")
@@ -471,3 +471,21 @@ def test_a_reports_regenerate_line_names_the_sweep_as_seen_from_here(tmp_path, m
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # a sweep outside the working directory keeps the path it was given
     assert f"`driftless report {sweep.resolve()}`" in write_sweep_report(sweep.resolve()).read_text()
+
+
+def test_the_claims_file_names_a_bad_entry_and_its_key(tmp_path):
+    from driftless.recipes.study import CLAIMS, CLAIMS_FILE, load_claims
+
+    assert load_claims(CLAIMS_FILE)[0] == CLAIMS and [c.name for c in CLAIMS][:2] == ["calibration", "noise"]
+    bad = tmp_path / "claims.yaml"
+    bad.write_text("claims:\n- {name: a, by: [variant], what: x}\n- {name: b, by: [variant], what: y, extar: true}\n"
+                   "quick: {name: q, by: [variant], what: z}\n")
+    with pytest.raises(ValueError, match=r"claims\[1\] \(b\): unknown key\(s\) \['extar'\]"):
+        load_claims(bad)
+    bad.write_text("claims:\n- {name: a, by: [variant]}\nquick: {name: q, by: [variant], what: z}\n")
+    with pytest.raises(ValueError, match=r"claims\[0\] \(a\): missing \['what'\]"):
+        load_claims(bad)
+    bad.write_text("claims:\n- {name: a, by: [variant], what: x}\n- {name: a, by: [variant], what: y}\n"
+                   "quick: {name: q, by: [variant], what: z}\n")
+    with pytest.raises(ValueError, match=r"named twice: \['a'\]"):
+        load_claims(bad)

@@ -13,7 +13,7 @@ from conftest import run_until_killed
 
 pytest.importorskip("transformers")
 
-from driftless.experiments.make_model import make_model
+from driftless.recipes.make_model import make_model
 from driftless.models.hf import HFPolicy
 from driftless.models.io import aliases, clone_state, load_weights, save_weights
 from driftless.rollout import Snapshot

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from driftless.experiments.report import write_run_report
+from driftless.recipes.report import write_run_report
 from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
 from driftless.train import Run, load_config, train
 from driftless.train.loop import TIMING_KEYS
@@ -275,7 +275,7 @@ def test_demo_and_eval_commands(tmp_path, capsys):
 
 
 def test_demo_reading_is_computed_from_its_runs():
-    from driftless.experiments.demo import reading
+    from driftless.recipes.demo import reading
 
     def runs(*triples):
         return [{"initial_eval": a, "final_eval": b, "mean_kl_k3": kl} for a, b, kl in triples]
@@ -389,7 +389,7 @@ def test_every_shipped_config_runs_one_step(tmp_path, path):
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here (make test-vllm runs this config)")
     if config.model.hf_path:  # the checkpoint and data `make hf` builds, made small here in their real format
-        from driftless.experiments.make_model import make_model
+        from driftless.recipes.make_model import make_model
         from driftless.tasks.export import task_rows, write_jsonl
 
         task = Countdown(CountdownConfig(2, 1, 12, 100))

@@ -9,7 +9,7 @@ pytest.importorskip("trl")
 
 from datasets import Dataset
 
-from driftless.experiments.make_model import make_model
+from driftless.recipes.make_model import make_model
 from driftless.objectives import make
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows

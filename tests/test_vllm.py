@@ -184,7 +184,7 @@ def test_config_refuses_what_the_vllm_engine_cannot_do():
 
 
 def test_check_alignment_vllm_mode():
-    from driftless.experiments.alignment import run_check
+    from driftless.recipes.alignment import run_check
 
     r = run_check(modes=("vllm",), num_prompts=4, max_new_tokens=8)["modes"]["vllm"]
     assert r["tokens"] == 4 * 8 * 9  # 3 generation groupings x 3 scoring groupings, no EOS configured
@@ -192,7 +192,7 @@ def test_check_alignment_vllm_mode():
 
 
 def test_mismatch_table_with_the_engine_as_sampler():
-    from driftless.experiments.mismatch_table import run_table
+    from driftless.recipes.mismatch_table import run_table
 
     r = run_table(engine="vllm", kinds=("none", "noise:0.05", "vllm-kv:fp8_e5m2"), num_prompts=8,
                   max_new_tokens=8)["kinds"]
@@ -205,7 +205,7 @@ def test_mismatch_table_with_the_engine_as_sampler():
 
 
 def test_an_fp8_kv_cache_the_cpu_cannot_run_is_refused_before_the_engine_starts(monkeypatch):
-    from driftless.experiments.mismatch_table import format_table, run_table
+    from driftless.recipes.mismatch_table import format_table, run_table
     from driftless.rollout import vllm as vllm_module
 
     monkeypatch.setattr(vllm_module, "has_avx512_or_amx", lambda: False)  # as on an AVX2-only CPU
@@ -256,7 +256,7 @@ def test_asynchronous_collection_with_the_vllm_engine_keeps_the_bound(tmp_path):
 def test_the_hf_config_with_the_vllm_engine_on_a_checkpoint_with_its_tokenizer(tmp_path):
     """configs/hf.yaml with rollout.engine=vllm: the engine loads the checkpoint directory with its own tokenizer;
     its q is the trainer's p at the same weights, and the tokenizer's end ids end the responses."""
-    from driftless.experiments.make_model import make_model
+    from driftless.recipes.make_model import make_model
     from driftless.tasks import Countdown, CountdownConfig
     from driftless.tasks.export import task_rows, write_jsonl
     from driftless.train import load_config

@@ -1,7 +1,7 @@
 """``driftless study`` (``make study`` / ``make study-quick``): the seeds' comparisons in miniature.
 
-Each claim is one experiment file under ``experiments/study/`` (docs/RESULTS.md reads them): a
-grid of methods × settings × RL seeds beside the no-mismatch ``reference`` of the same seeds, on
+Each claim is stated as data in ``experiments/claims.yaml`` and trained from one experiment file
+under ``experiments/study/`` (docs/RESULTS.md reads them): a grid of methods × settings × RL seeds beside the no-mismatch ``reference`` of the same seeds, on
 the study's scale (``configs/study.yaml``). The study trains them in order, one sweep each, into
 ``results/study/<name>/`` and writes each sweep's report there as soon as it finishes:
 
@@ -23,14 +23,15 @@ the headline in under 20 minutes on 2 cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from driftless.experiments.sweep import load_experiment, run_experiment
-from driftless.experiments.sweep_report import write_sweep_report
+from driftless.recipes.sweep import load_experiment, run_experiment
+from driftless.recipes.sweep_report import write_sweep_report
 from driftless.train.sinks import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,78 +49,39 @@ class Claim:
     real: bool = False  # on configs/smollm2.yaml: import SmolLM2-135M-Instruct and write its data first (``make real``)
 
 
-CLAIMS = (
-    Claim("calibration", ("variant",),
-          "pg against the reference at each candidate severity: where does uncorrected training degrade?"),
-    Claim("noise", ("variant", "mismatch.view"),
-          "sampler weight noise, three scales: collapse comes earlier as mismatch grows; at the largest only SC "
-          "(alone, +TIS, +MIS) trains stably (seed 003 §5.2)"),
-    Claim("quantized", ("variant", "mismatch.view"),
-          "quantized sampler (W4A4 with a 4-bit KV cache, the setting that hurts pg here): SC alone or with "
-          "TIS/MIS performs best (§5.3)"),
-    Claim("staleness", ("variant", "rollout.lag"),
-          "severe staleness, deterministic lag 4 and 16: the compositions dominate (§5.3)"),
-    Claim("async", ("variant",), "asynchronous collection at η = 4, one run per method: wall time"),
-    Claim("offline-online", ("variant",),
-          "Figure 2: offline (a never-refreshed sampler) vs online × reward modes under sampler noise (§3)"),
-    Claim("reinforce-zero", ("variant",),
-          "REINFORCE Zero: aligned vs fast execution × lag 0 / 2 / 8 with unclipped token IS (seed 000 §5)"),
-    Claim("topk", ("variant",), "top-k score centering, k = 1 / 4 / 16 / full vocabulary (seed 003 A.4)"),
-    Claim("sampler-kl", ("variant",), "SC with the sampler-KL penalty, β sweep including 0"),
-    Claim("recipes", ("variant",), "complete recipes at one budget, held-out reward against wall time (seed 000 §6.4)"),
-    Claim("sampler-kl-quantized", ("variant",),
-          "follow-up to sampler-kl: the same β sweep under W4A4 + int4 KV, whose error does not scale with θ"),
-    Claim("moe", ("variant",),
-          "mixture of experts under sampler noise that flips routes: routing replay (R3) against pg / TIS / MIS / SC, "
-          "R3 with TIS and SC; aligned MoE with REINFORCE Zero at lag 0 and 2 (seed 000 §3, Ma et al. 2025)"),
-    Claim("moe-sgd", ("variant",),
-          "moe's comparison in the drift regime (SGD at a constant rate for 300 steps, sampler noise 0.6: at 0.15 and "
-          "0.3 MoE pg did not end below the reference in every seed): pg / tis / mis / sc / sc+tis and pg / tis / sc with routing replay, 3 seeds", extra=True),
-    Claim("quantized-paper", ("variant", "mismatch.view"),
-          "the quantized claim at the paper's settings (W8A8 + 4-bit KV; fp8), which do not hurt pg here "
-          "(calibration): separates nothing, the slowest runs; outside the 5-hour study (`make study-paper`)",
-          extra=True, references=("results/study-reference-epyc-avx2",)),  # 15 runs finished on an AVX2-only EPYC
-)
-CLAIMS += (
-    Claim("drift-calibration", ("variant",),
-          "the drift regime's first step: plain SGD at a constant learning rate for 300 steps, which rate makes the "
-          "no-mismatch reference learn by +0.10 in every seed (the severities and the comparisons follow)",
-          extra=True),
-    Claim("drift-sgd", ("variant",),
-          "the drift regime calibrated: the SGD reference (lr 0.1, 300 steps) read on held-out sampled reward (4 "
-          "samples a problem), and uncorrected pg under weight noise 0.05 / 0.15 / 0.3: where it degrades and collapses",
-          extra=True),
-)
-CLAIMS += (
-    Claim("drift-noise", ("variant",),
-          "the drift regime, experiment 1: SGD at a constant rate for 300 steps under sampler noise 0.15 (pg "
-          "collapses), pg / sc / tis / sc+tis / mis / sc+mis / dppo-tv, 5 seeds (the paper's recipe; its §5.2 claims)",
-          extra=True),
-    Claim("drift-adamw", ("variant",),
-          "the drift regime, experiment 3: experiment 1's noise 0.15 comparison with AdamW at the same length "
-          "(pg / tis / sc / sc+tis, 5 seeds): does the optimizer decide which correction wins?", extra=True),
-    Claim("drift-noise-mild", ("variant",),
-          "the drift regime, experiment 1 at the milder severity: noise 0.05 (pg degrades), the same methods and seeds",
-          extra=True),
-    Claim("drift-bpe-calibration", ("variant",),
-          "the drift regime on a BPE checkpoint (the Qwen3 stand-in of configs/hf.yaml, 275 tokens): which SGD rate "
-          "makes its reference learn, and whether pg degrades under noise 0.15 / 0.3 there (experiment 4's first step)",
-          extra=True, stand_in=True),
-    Claim("drift-lag", ("variant",),
-          "the drift regime, experiment 2: lag 16 under SGD, pg / tis / mis / sc / sc+tis / sc+mis, 5 seeds",
-          extra=True),
-    Claim("drift-bpe", ("variant",),
-          "the drift regime, experiment 4: the BPE checkpoint under sampler noise 0.3 (pg degrades there), pg / tis / sc "
-          "/ sc+tis, top-k centering at k = 1 / 4 / 32 / full, and pg at noise 0.6, 3 seeds",
-          extra=True, stand_in=True),
-)
-CLAIMS += (
-    Claim("real-smollm2", ("variant",),
-          "the headline comparison on a real pretrained model: SmolLM2-135M-Instruct (134.5M parameters, 49,152 "
-          "tokens) under a 4-bit sampler (w:int4:g32), reference / pg / tis / sc (top-32) / sc+tis, SGD 0.05 "
-          "constant, 30 steps, 3 seeds (needs `make real`)", extra=True, real=True),
-)
-QUICK = Claim("quick", ("variant",), "the headline: pg, tis and sc at the largest noise scale beside the reference")
+CLAIMS_FILE = REPO / "experiments" / "claims.yaml"
+
+
+def load_claims(path: Path = CLAIMS_FILE) -> tuple[tuple[Claim, ...], Claim]:
+    """The study's claims as data (``experiments/claims.yaml``): (the claims in study order, the quick one). Each
+    entry's keys are ``Claim``'s fields; an unknown or missing one is refused with the entry named."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    fields = {f.name for f in dataclasses.fields(Claim)}
+
+    def claim(entry, where: str) -> Claim:
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: {where} is not a mapping: {entry!r}")
+        unknown = sorted(set(entry) - fields)
+        missing = sorted({"name", "by", "what"} - set(entry))
+        if unknown or missing:
+            raise ValueError(f"{path}: {where} ({entry.get('name', '?')}): "
+                             + "; ".join([f"unknown key(s) {unknown} (valid: {sorted(fields)})"] * bool(unknown)
+                                         + [f"missing {missing}"] * bool(missing)))
+        return Claim(**{**entry, "by": tuple(entry["by"]), "references": tuple(entry.get("references", ()))})
+
+    if not isinstance(data, dict) or set(data) != {"claims", "quick"}:
+        raise ValueError(f"{path}: expected the keys claims and quick, found {sorted(data or {})}")
+    claims = tuple(claim(e, f"claims[{i}]") for i, e in enumerate(data["claims"]))
+    names = [c.name for c in claims]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{path}: claim(s) named twice: {twice}")
+    return claims, claim(data["quick"], "quick")
+
+
+CLAIMS, QUICK = load_claims()
 
 
 def claims(only: list[str] | None = None) -> list[Claim]:
@@ -137,7 +99,7 @@ def run_study(root="results/study", *, only: list[str] | None = None, quick: boo
     root = Path(root)
     todo = [QUICK] if quick else claims(only)
     if any(c.stand_in for c in todo):
-        from driftless.experiments.make_model import build_stand_in
+        from driftless.recipes.make_model import build_stand_in
 
         build_stand_in("runs", progress=progress)  # where configs/hf.yaml reads it (relative to here), before the checks
     if any(c.real for c in todo):
@@ -196,7 +158,7 @@ def run_seconds(root: Path, todo: list[Claim] | None = None) -> dict[str, dict]:
     computation once across experiments, in study order (a reused run costs the experiment that ran it first):
     ``{name: {"runs": n, "distinct": m, "run_s": seconds}}``. Two runs at a time on 2 cores, a fresh
     ``make study`` takes about the sum of ``run_s`` over two."""
-    from driftless.experiments.sweep import _key, _saved_computation
+    from driftless.recipes.sweep import _key, _saved_computation
 
     seen, out = set(), {}
     for claim in CLAIMS if todo is None else todo:

@@ -8,7 +8,7 @@ template and ``generation_config.json`` (eos: both ids, as Qwen3's),
 warm-started by supervised training on the task's rows so its held-out greedy reward leaves the
 RL loop headroom (neither 0 nor near 1). Nothing is downloaded.
 
-    from driftless.experiments.make_model import make_model, countdown_rows
+    from driftless.recipes.make_model import make_model, countdown_rows
     info = make_model("runs/models/countdown-qwen3")             # built-in Countdown rows
     info = make_model(d, rows_train=rows, rows_eval=held_out)     # rows as driftless.tasks.export writes them
 

@@ -199,7 +199,7 @@ _BATCH_FIELDS = ("tokens", "prompt_len", "length", "action_mask", "sampler_logp"
 
 
 def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
-    """One side of the cross-process check (``python -m driftless.experiments.alignment ...``)."""
+    """One side of the cross-process check (``python -m driftless.recipes.alignment ...``)."""
     from driftless.models import load_model
     from driftless.ops.fuse import fused_enabled
 
@@ -257,7 +257,7 @@ def cross_process_check(model, prompts, *, params: SamplingParams, max_new_token
         torch.save(job, tmp / "job.pt")
         for role, env, out in (("sample", envs[0], "batch.pt"), ("score", envs[1], "scores.pt")):
             proc = subprocess.run(
-                [sys.executable, "-m", "driftless.experiments.alignment", role, str(tmp / "model.safetensors"),
+                [sys.executable, "-m", "driftless.recipes.alignment", role, str(tmp / "model.safetensors"),
                  str(tmp / "job.pt"), str(tmp / out)],
                 env={**os.environ, **env}, capture_output=True, text=True, check=False)
             if proc.returncode != 0:

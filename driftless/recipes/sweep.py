@@ -174,7 +174,7 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
 
 
 def _run_trial(base, overrides: list[str], run_dir: Path, report, keep_checkpoints: bool) -> dict:
-    from driftless.experiments.report import summarize, write_run_report
+    from driftless.recipes.report import summarize, write_run_report
     from driftless.train import train
     from driftless.train.checkpoint import latest_checkpoint
 

@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.experiments.report import eval_curve, initial_eval, read_metrics, save_figure, spread, summarize
+from driftless.recipes.report import eval_curve, initial_eval, read_metrics, save_figure, spread, summarize
 from driftless.train import load_config
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -92,7 +92,7 @@ def train_many(config_path, jobs: dict[Path, list[str]], *, workers: int | None 
     import multiprocessing as mp
     import os
 
-    from driftless.experiments.sweep import prepare_warm_starts, run_trial
+    from driftless.recipes.sweep import prepare_warm_starts, run_trial
 
     jobs = {Path(p).resolve(): list(ov) for p, ov in jobs.items()}
     configs = {p: load_config(config_path, ov) for p, ov in jobs.items()}

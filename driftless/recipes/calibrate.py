@@ -12,8 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from driftless.experiments.demo import REPO_CONFIGS, train_many
-from driftless.experiments.report import eval_curve, spread, summarize
+from driftless.recipes.demo import REPO_CONFIGS, train_many
+from driftless.recipes.report import eval_curve, spread, summarize
 
 # The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
 # configs/default.yaml; the mismatch is always off. The first ones were tried against the default of

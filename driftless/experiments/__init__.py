@@ -1,1 +1,0 @@
-"""Experiments: alignment checks, sweeps, reports and plots."""
