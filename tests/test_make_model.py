@@ -183,7 +183,7 @@ def test_make_model_cli_trains_on_exported_files(tmp_path, capsys):
     assert main(args[:8] + ["--no-progress"]) == 2  # --data without --eval-data
     assert "--eval-data" in capsys.readouterr().err
     assert main([*args[:2], "rollout.lag=1", *args[2:]]) == 2  # train's keys, the architecture's only
-    assert "rollout.lag is not an architecture key" in capsys.readouterr().err
+    assert "make-model: rollout.lag is a config key this command does not take; it takes model.d_model" in capsys.readouterr().err
     assert main([*args[:2], "model.d_modl=32", *args[2:]]) == 2
     assert "did you mean model.d_model" in capsys.readouterr().err
 

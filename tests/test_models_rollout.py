@@ -180,7 +180,7 @@ def test_fast_mode_differs_across_cpu_kernels(tmp_path):
 def test_check_alignment_names_the_kernel_pairs_it_compared(capsys):
     from driftless.cli import main
 
-    assert main(["check-alignment", "--modes", "aligned-xproc", "--prompts", "3", "--max-new-tokens", "4"]) == 0
+    assert main(["check-alignment", "--modes", "aligned-xproc", "--prompts", "3", "rollout.max_new_tokens=4"]) == 0
     out = capsys.readouterr().out
     for sampler, trainer in KERNEL_PAIRS:
         assert f"sampler ({describe_profile(sampler)}) vs trainer ({describe_profile(trainer)})" in out
@@ -483,7 +483,7 @@ def test_check_alignment_json(capsys):
     from driftless.cli import main
 
     assert main(["check-alignment", "--json", "--modes", "fast", "aligned", "--prompts", "5",
-                 "--max-new-tokens", "8"]) == 0
+                 "rollout.max_new_tokens=8"]) == 0
     result = json.loads(capsys.readouterr().out)
     for mode in ("fast", "aligned"):
         assert set(result["modes"][mode]) == {"tokens", "bitwise_equal_fraction", "max_abs_logp_diff", "kl_k3"}

@@ -368,11 +368,11 @@ def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_id
                  "--prompts", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kinds"]["none"]["tokens"] <= 12
     for args, message in (
-            (["--config", "configs/study.yaml", "--max-new-tokens", "8"],
-             "use the override rollout.max_new_tokens=8 instead"),
-            (["model.n_experts=4"], "overrides model.n_experts=4 need --config"),
+            (["model.n_experts=4"], "mismatch-table (without --config): model.n_experts is a config key this command "
+                                    "does not take; it takes rollout.max_new_tokens"),
+            (["rollout.max_new_token=4"], "did you mean rollout.max_new_tokens?"),
             (["--config", "configs/study.yaml", "--kinds", "none", "model.d_ff=64"],
-             "model.d_ff=64 is an override, not a view: put a.b=c overrides right after --config"),
+             "model.d_ff=64 is an override, not a view: put a.b=c overrides before --kinds"),
             (["--config", "configs/study.yaml", "--engine", "vllm"], "drop --engine vllm / --experts"),
             (["--config", "configs/study.yaml", *overrides, "--model", str(tmp_path / "none.safetensors")],
              f"--model {tmp_path / 'none.safetensors'}: not weights of the config's model"),
@@ -382,6 +382,9 @@ def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_id
              "the table's trainer scores in float32 with plain numerics")):
         assert main(["mismatch-table", *args]) == 2, args
         assert message in capsys.readouterr().err, args
+    with pytest.raises(SystemExit):  # one name per setting: the length is rollout.max_new_tokens=8, with or without --config
+        main(["mismatch-table", "--config", "configs/study.yaml", "--max-new-tokens", "8"])
+    assert "unrecognized arguments: --max-new-tokens" in capsys.readouterr().err
 
 
 def test_a_copied_transformers_moe_policy_routes_through_its_own_hooks(tmp_path):

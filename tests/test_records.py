@@ -184,3 +184,37 @@ def test_every_committed_finished_run_has_its_metrics_record():
     missing = [f for f in tracked if f.endswith("/done.json")
                and not {f[:-9] + "metrics.jsonl.xz", f[:-9] + "metrics.jsonl"} & files]
     assert not missing, f"finished runs committed without metrics: {missing[:5]}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["check-alignment", "rollout.temprature=0.5"],
+    ["mismatch-table", "rollout.temprature=0.5"],
+    ["export-task", "OUT", "rollout.temprature=0.5"],
+    ["make-model", "OUT", "rollout.temprature=0.5"],
+    ["audit", "records", "--model", "M", "--records", "R", "rollout.temprature=0.5"],
+    ["audit", "engine", "--model", "M", "--prompts", "P", "rollout.temprature=0.5"],
+    ["train", "configs/default.yaml", "rollout.temprature=0.5"],
+])
+def test_every_command_takes_trains_keys_and_names_the_nearest_one(argv, capsys, tmp_path, monkeypatch):
+    """One name per setting: a command's config settings are train's ``a.b=c`` keys, a misspelt one refused by
+    train's schema with the nearest valid name, before anything is read or built."""
+    monkeypatch.chdir(REPO)
+    assert main([a.replace("OUT", str(tmp_path / "out")) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key rollout.temprature" in err and "did you mean rollout.temperature?" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_command_is_registered_once_and_sampling_keys_a_command_does_not_take_are_named():
+    from driftless.commands import COMMANDS, command, given_keys
+
+    with pytest.raises(ValueError, match="driftless train: registered twice"):
+        command("train", "again", arguments=lambda p: None)(lambda args: 0)
+    assert COMMANDS["train"].run.__module__ == "driftless.train.commands"
+    assert given_keys("x", ["rollout.top_k=5", "train.seed=3"], ("rollout.top_k", "train.seed")) == {
+        "rollout.top_k": 5, "train.seed": 3}
+    with pytest.raises(ValueError, match="x: objective.name is a config key this command does not take; it takes "
+                                         "rollout.top_k"):
+        given_keys("x", ["objective.name=sc"], ("rollout.top_k",))
+    with pytest.raises(ValueError, match="rollout.top_k"):  # train's ranges: top_k >= 0
+        given_keys("x", ["rollout.top_k=-1"], ("rollout.top_k",))
