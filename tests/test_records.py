@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from driftless.cli import main
-from driftless.recipes.report import summarize
+from driftless.train.report import summarize
 from driftless.recipes.sweep_report import write_sweep_report
 from driftless.train import load_config, train
 from driftless.train.loop import TIMING_KEYS

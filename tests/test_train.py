@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from driftless.recipes.report import write_run_report
+from driftless.train.report import write_run_report
 from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
 from driftless.train import Run, load_config, train
 from driftless.train.loop import TIMING_KEYS

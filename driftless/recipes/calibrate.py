@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from driftless.recipes.demo import REPO_CONFIGS, train_many
-from driftless.recipes.report import eval_curve, spread, summarize
+from driftless.train.report import eval_curve, spread, summarize
 
 # The settings tried, in the order they were tried (docs/calibration.md), as full overrides of
 # configs/default.yaml; the mismatch is always off. The first ones were tried against the default of

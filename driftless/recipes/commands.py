@@ -356,3 +356,36 @@ def _make_model(args) -> int:
     print(f"checkpoint in {args.dir}: held-out greedy reward {info['eval_reward']:.3f}, {info['parameters']:,} "
           f"parameters, vocabulary {info['vocab_size']}, built in {info['seconds']:.0f} s")
     return 0
+
+
+def _pack_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", help="run folders, or folders searched for finished runs (done.json)")
+    p.add_argument("--unfinished", action="store_true",
+                    help="also runs without done.json (a run that is still training must not be packed)")
+    p.add_argument("--slim", action="store_true",
+                    help="keep only the metric columns the sweep reports read (a record for git; the run's own "
+                         "directory keeps every column): docs/RESULTS.md, 'What a record keeps'")
+
+
+@command("pack", "compress finished runs' records in place (metrics.jsonl -> metrics.jsonl.xz)", arguments=_pack_arguments)
+def _pack(args) -> int:
+    from driftless.train.sinks import has_record, pack_run, slim_run
+
+    runs = []
+    for root in map(Path, args.paths):
+        if not root.is_dir():
+            raise ValueError(f"pack: {root} is not a directory")
+        found = [p.parent for p in sorted(root.glob("**/config.yaml")) if has_record(p.parent)]
+        runs += [r for r in found if args.unfinished or (r / "done.json").exists()]
+        skipped = [r for r in found if not args.unfinished and not (r / "done.json").exists()]
+        for r in skipped:
+            print(f"skipped {r}: no done.json (unfinished, or not a sweep run: --unfinished packs it)", file=sys.stderr)
+    before = after = 0
+    if args.slim:
+        from driftless.recipes.sweep_report import RECORD_COLUMNS
+    for run in runs:
+        b, a = slim_run(run, RECORD_COLUMNS) if args.slim else pack_run(run)
+        before, after = before + b, after + a
+    print(json.dumps({"runs": len(runs), "bytes_before": before, "bytes_after": after,
+                      "ratio": round(before / after, 2) if after else None}))
+    return 0

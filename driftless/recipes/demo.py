@@ -25,8 +25,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.recipes.report import eval_curve, initial_eval, read_metrics, save_figure, spread, summarize
 from driftless.train import load_config
+from driftless.train.report import eval_curve, initial_eval, read_metrics, save_figure, spread, summarize
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 METHODS = ("baseline", "pg", "tis", "sc")

@@ -174,9 +174,9 @@ def run_trial(base, overrides: list[str], run_dir: Path, *, threads: int = 1, re
 
 
 def _run_trial(base, overrides: list[str], run_dir: Path, report, keep_checkpoints: bool) -> dict:
-    from driftless.recipes.report import summarize, write_run_report
     from driftless.train import train
     from driftless.train.checkpoint import latest_checkpoint
+    from driftless.train.report import summarize, write_run_report
 
 
     run_dir.mkdir(parents=True, exist_ok=True)

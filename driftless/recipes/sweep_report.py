@@ -31,8 +31,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from driftless.recipes.report import eval_curve, read_metrics, save_figure, spread
 from driftless.recipes.sweep import SEED_KEYS, recorded_start
+from driftless.train.report import eval_curve, read_metrics, save_figure, spread
 from driftless.train.sinks import has_record
 
 COLLAPSE_MARGIN = 0.05

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from driftless.commands import command, given_keys
@@ -21,8 +20,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("train", "train with RL: driftless train CONFIG [key.sub=value ...]", arguments=_train_arguments)
 def _train(args) -> int:
-    from driftless.recipes.report import write_run_report
     from driftless.train import load_config, train
+    from driftless.train.report import write_run_report
 
     config = load_config(args.config, args.overrides)
     run_dir = train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite,
@@ -147,37 +146,4 @@ def _export_task(args) -> int:
         rows = task_rows(task, split, draws=args.draws, seed=args.seed, limit=args.limit)
         path = write_jsonl(rows, Path(args.out_dir) / f"{split}.jsonl")
         print(f"{split}: {len(rows)} rows -> {path}")
-    return 0
-
-
-def _pack_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", help="run folders, or folders searched for finished runs (done.json)")
-    p.add_argument("--unfinished", action="store_true",
-                    help="also runs without done.json (a run that is still training must not be packed)")
-    p.add_argument("--slim", action="store_true",
-                    help="keep only the metric columns the sweep reports read (a record for git; the run's own "
-                         "directory keeps every column): docs/RESULTS.md, 'What a record keeps'")
-
-
-@command("pack", "compress finished runs' records in place (metrics.jsonl -> metrics.jsonl.xz)", arguments=_pack_arguments)
-def _pack(args) -> int:
-    from driftless.train.sinks import has_record, pack_run, slim_run
-
-    runs = []
-    for root in map(Path, args.paths):
-        if not root.is_dir():
-            raise ValueError(f"pack: {root} is not a directory")
-        found = [p.parent for p in sorted(root.glob("**/config.yaml")) if has_record(p.parent)]
-        runs += [r for r in found if args.unfinished or (r / "done.json").exists()]
-        skipped = [r for r in found if not args.unfinished and not (r / "done.json").exists()]
-        for r in skipped:
-            print(f"skipped {r}: no done.json (unfinished, or not a sweep run: --unfinished packs it)", file=sys.stderr)
-    before = after = 0
-    if args.slim:
-        from driftless.recipes.sweep_report import RECORD_COLUMNS
-    for run in runs:
-        b, a = slim_run(run, RECORD_COLUMNS) if args.slim else pack_run(run)
-        before, after = before + b, after + a
-    print(json.dumps({"runs": len(runs), "bytes_before": before, "bytes_after": after,
-                      "ratio": round(before / after, 2) if after else None}))
     return 0
