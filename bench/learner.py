@@ -56,7 +56,7 @@ def _model_and_batch(rows: int, seed: int = 0):
 def _learner(model, micro, ranks=None, parallel="ddp"):
     from driftless.objectives import make
     from driftless.train.learner import Learner, make_optimizer
-    from driftless.train.ranks import fully_shard_policy
+    from driftless.train.parallel import fully_shard_policy
 
     if parallel == "fsdp":
         fully_shard_policy(model, ranks)
@@ -80,7 +80,7 @@ def _local_bytes(learner) -> dict:
 def _rank(rank, world, init, rows, micro, parallel, repeats, out):
     import torch.distributed as dist
 
-    from driftless.train.ranks import Ranks
+    from driftless.train.parallel import Ranks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -18,7 +18,7 @@ from driftless.objectives import REDUCTIONS, make
 from driftless.objectives.reductions import Totals, reduce_loss
 from driftless.rollout import Sampler, SamplingParams, Snapshot
 from driftless.train.learner import Learner, make_optimizer, micro_batches
-from driftless.train.ranks import full_state, fully_shard_policy
+from driftless.train.parallel import full_state, fully_shard_policy
 
 PRESETS = ["pg", "tis", "sc+tis", "gspo", "reinforce-zero"]
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from test_micro_batches import PRESETS, mismatched_batch, relative, update
 
 from driftless.objectives import REDUCTIONS
-from driftless.train.ranks import Ranks, shard_rows
+from driftless.train.parallel import Ranks, shard_rows
 
 
 def _rank_main(rank: int, world: int, init: str, model, batch, out: str, parallel: str = "ddp"):

@@ -25,7 +25,7 @@ from driftless.rollout.worker import RolloutSettings, RolloutWorker
 from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfig, FirstToken
 from driftless.train.config import RunConfig
 from driftless.train.learner import Learner, make_optimizer
-from driftless.train.ranks import Ranks, fully_shard_policy
+from driftless.train.parallel import Ranks, fully_shard_policy
 
 
 class Parts:

@@ -285,7 +285,7 @@ class TrainSection(_Section):
     activation_checkpointing: bool = False  # model.kind=hf: keep each layer's input only, recompute it in the backward
     reproducible: bool = False  # every operation of the run with the same bits on any CPU (driftless.ops.reproducible)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the learner's forward under autocast, float32 master weights
-    learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.ranks)
+    learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.parallel)
     parallel: Literal["ddp", "fsdp"] = "ddp"  # with learner_ranks > 1: whole copies, or FSDP2-sharded (train.shard)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # the learner's device; auto: cuda when available (aligned: cpu)
     routing: Literal["recompute", "replay"] = "recompute"  # MoE: the trainer's own experts, or the sampler's (R3)

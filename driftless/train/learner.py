@@ -31,7 +31,16 @@ from driftless.ops.logprobs import TokenLogprobs
 from driftless.rollout import RolloutBatch, Snapshot, score_batch
 from driftless.rollout.scoring import ROUTINGS
 from driftless.train.optim import ExactAdamW, ExactSGD
-from driftless.train.ranks import Ranks, full_state, shard_rows, sharded
+from driftless.train.parallel import (
+    Ranks,
+    dcp_state,
+    full_state,
+    gather_whole_state,
+    load_dcp,
+    load_whole_state,
+    shard_rows,
+    sharded,
+)
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -117,7 +126,7 @@ class Learner:
         if routing == "replay" and getattr(policy, "route_shape", None) is None:
             raise ValueError("train.routing=replay needs a mixture-of-experts policy (model.n_experts > 0)")
         self.routing = routing  # a mixture of experts' selections: the trainer's own, or the sampler's (R3)
-        self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.ranks)
+        self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.parallel)
         self.sharded = sharded(policy)  # FSDP2 (train.parallel=fsdp): collectives inside every forward / backward
         if self.sharded and decomposition and keep_versions:
             raise ValueError("train.parallel=fsdp keeps no past versions' weights for Eq. 1: diagnostics.keep_versions "
@@ -351,27 +360,12 @@ class Learner:
         return Snapshot.sharing(self.policy, self.version) if shared else Snapshot.of(self.policy, self.version)
 
     def sharded_state(self) -> dict:
-        """Model and optimizer state as torch.distributed.checkpoint saves them (FQN keys; sharded under FSDP)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.policy, self.optimizer)
-        return {"model": model, "optim": optim}
+        """Model and optimizer state as torch.distributed.checkpoint saves them (``parallel.dcp_state``)."""
+        return dcp_state(self.policy, self.optimizer)
 
     def load_sharded(self, checkpoint_id) -> None:
         """Model and optimizer from a torch.distributed.checkpoint folder, resharded to this learner's ranks."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = self.sharded_state()  # templates: their shapes, shards and dtypes are what is loaded
-        stored = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
-        for key, value in state["model"].items():  # DCP would cast into the template: refuse instead
-            meta = stored.get(f"model.{key}")
-            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-            if isinstance(value, torch.Tensor) and dtype is not None and dtype != value.dtype:
-                raise ValueError(f"{checkpoint_id}: {key} was saved as {dtype}, this model holds {value.dtype}: "
-                                 "resume with the precision and model the run was saved with")
-        dcp.load(state, checkpoint_id=str(checkpoint_id))
-        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_dcp(self.policy, self.optimizer, checkpoint_id)
 
     def state_dict(self) -> dict:
         if self.sharded:
@@ -383,21 +377,13 @@ class Learner:
 
     def whole_state_dict(self) -> dict | None:
         """One process's checkpoint state (whole model, optimizer keyed by parameter index, as ``state_dict``
-        without ranks) on rank 0, None on the others. Under FSDP the shards are gathered to rank 0 one tensor at
-        a time (a collective: every rank calls it); with whole copies only rank 0 does any work."""
+        without ranks) on rank 0, None on the others (under FSDP a collective: every rank calls it)."""
         if not self.sharded:
             return self.state_dict() if self.ranks.rank == 0 else None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        model, optim = get_state_dict(self.policy, self.optimizer,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.ranks.rank != 0:
+        whole = gather_whole_state(self.policy, self.optimizer, self.ranks)
+        if whole is None:
             return None
-        index = {n: i for i, n in enumerate(n for n, p in self.policy.named_parameters() if p.requires_grad)}
-        optimizer = {"state": {index[k]: v for k, v in optim["state"].items()},
-                     "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]]}
-        return {"model": model, "optimizer": optimizer, "version": self.version, "skipped_steps": self.skipped_steps,
-                "versions": dict(self.versions)}
+        return {**whole, "version": self.version, "skipped_steps": self.skipped_steps, "versions": dict(self.versions)}
 
     def load_state_dict(self, state: dict) -> None:
         """``state["dcp"]``: a torch.distributed.checkpoint folder (any number of ranks wrote it) holding the model
@@ -405,7 +391,7 @@ class Learner:
         if state.get("dcp") is not None:
             self.load_sharded(state["dcp"])
         elif self.sharded:
-            self._load_whole(state["model"], state["optimizer"])
+            load_whole_state(self.policy, self.optimizer, state["model"], state["optimizer"])
         else:
             self.policy.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -414,21 +400,6 @@ class Learner:
         self.version, self.skipped_steps = state["version"], state["skipped_steps"]
         self.versions = dict(state.get("versions", {}))
         self._remember()
-
-
-    def _load_whole(self, model: dict, optimizer: dict) -> None:
-        """A one-process checkpoint (whole tensors; optimizer state keyed by parameter index) into FSDP shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
-        ids = [i for group in optimizer["param_groups"] for i in group["params"]]
-        if len(ids) != len(names):
-            raise ValueError(f"the checkpoint's optimizer holds {len(ids)} parameters, the model {len(names)}")
-        fqn = dict(zip(ids, names))
-        optim = {"state": {fqn[i]: v for i, v in optimizer["state"].items()},
-                 "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in optimizer["param_groups"]]}
-        set_state_dict(self.policy, self.optimizer, model_state_dict=model, optim_state_dict=optim,
-                       options=StateDictOptions(full_state_dict=True))
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class RemoteLearner:
     ranks in Ray actors (the pattern verl uses: one actor a rank, the torchrun environment set in each).
 
     Every rank receives the whole batch (one object in the store) and trains on its share of the rows, as under
-    torchrun; the metrics are rank 0's (the whole batch's: driftless.train.ranks). Every call goes to every rank
+    torchrun; the metrics are rank 0's (the whole batch's: driftless.train.parallel). Every call goes to every rank
     (FSDP's gathers are collectives) and rank 0's answer is kept. ``publish_ref()`` leaves rank 0's snapshot in
     the object store (what rollout actors receive); ``policy`` is a local copy refreshed from it when read after
     an update (evaluation). Checkpoints are one process's (whole model, optimizer keyed by parameter index),

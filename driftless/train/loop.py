@@ -27,7 +27,7 @@ from driftless.train import build, checkpoint
 from driftless.train.config import RunConfig, dump_config
 from driftless.train.evaluate import evaluate
 from driftless.train.learners import make_learner
-from driftless.train.ranks import Ranks
+from driftless.train.parallel import Ranks
 from driftless.train.sinks import PACKABLE, PACKED_SUFFIX, open_sinks, unpack_run
 from driftless.train.sources import drop_stale, make_source, queue_metrics
 from driftless.train.trace import TRACE_DIR, write_batch

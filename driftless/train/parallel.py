@@ -1,4 +1,8 @@
-"""Learner ranks: data-parallel training on torch.distributed (``train.learner_ranks``, launched by torchrun).
+"""Parallelism as parts applied to an unchanged model and learner (as torchtitan applies ``fully_shard`` and a DCP
+checkpointer): learner ranks on torch.distributed and their collectives, rows shared by tokens, FSDP2 sharding,
+and the state dicts torch.distributed.checkpoint saves and loads. Nothing here imports the rest of driftless.
+
+Learner ranks: data-parallel training on torch.distributed (``train.learner_ranks``, launched by torchrun).
 
     torchrun --nproc-per-node 2 -m driftless train configs/default.yaml train.learner_ranks=2
 
@@ -183,3 +187,65 @@ def shard_rows(lengths: torch.Tensor, world: int, rank: int) -> torch.Tensor:
         owner[row] = target
         load[target] += int(lengths[row])
     return torch.tensor([r for r, k in enumerate(owner) if k == rank], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------- state dicts (DCP)
+def dcp_state(policy, optimizer) -> dict:
+    """Model and optimizer state as torch.distributed.checkpoint saves them (FQN keys; sharded under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(policy, optimizer)
+    return {"model": model, "optim": optim}
+
+
+def load_dcp(policy, optimizer, checkpoint_id) -> None:
+    """Model and optimizer from a torch.distributed.checkpoint folder (any number of ranks wrote it), resharded to
+    ``policy``'s ranks; a tensor saved in another dtype is refused (DCP would cast it into the template)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = dcp_state(policy, optimizer)  # templates: their shapes, shards and dtypes are what is loaded
+    stored = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    for key, value in state["model"].items():
+        meta = stored.get(f"model.{key}")
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if isinstance(value, torch.Tensor) and dtype is not None and dtype != value.dtype:
+            raise ValueError(f"{checkpoint_id}: {key} was saved as {dtype}, this model holds {value.dtype}: "
+                             "resume with the precision and model the run was saved with")
+    dcp.load(state, checkpoint_id=str(checkpoint_id))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _trained_names(policy) -> list[str]:
+    return [n for n, p in policy.named_parameters() if p.requires_grad]
+
+
+def gather_whole_state(policy, optimizer, ranks: Ranks) -> dict | None:
+    """An FSDP-sharded model and optimizer gathered whole to rank 0, one tensor at a time (a collective: every rank
+    calls it), as one process saves them (optimizer state keyed by parameter index): ``{"model", "optimizer"}`` on
+    rank 0, None on the others."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optim = get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ranks.rank != 0:
+        return None
+    index = {n: i for i, n in enumerate(_trained_names(policy))}
+    return {"model": model,
+            "optimizer": {"state": {index[k]: v for k, v in optim["state"].items()},
+                          "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                           for g in optim["param_groups"]]}}
+
+
+def load_whole_state(policy, optimizer, model: dict, optimizer_state: dict) -> None:
+    """A one-process checkpoint (whole tensors; optimizer state keyed by parameter index) into FSDP shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = _trained_names(policy)
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    if len(ids) != len(names):
+        raise ValueError(f"the checkpoint's optimizer holds {len(ids)} parameters, the model {len(names)}")
+    fqn = dict(zip(ids, names))
+    optim = {"state": {fqn[i]: v for i, v in optimizer_state["state"].items()},
+             "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
+    set_state_dict(policy, optimizer, model_state_dict=model, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True))
