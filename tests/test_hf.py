@@ -101,6 +101,35 @@ def test_scoring_runs_each_shared_prompt_once_with_the_whole_sequences_values_an
     assert policy.action_hidden_states(distinct, torch.tensor([4, 5, 6]), torch.tensor([0]), torch.tensor([4])) is None
 
 
+def test_the_shared_prompts_backward_runs_last_with_the_same_gradient_and_a_models_gradient_less_held():
+    """prompt_backward_last (the Learner's .backward()): the responses' pass reads the prompts' keys, values and last
+    hidden state through detached leaves, the prompts' backward runs after the responses' with their gradients;
+    .grad equals the one-graph gradient of the same path (float64: to rounding), and each weight's gradient lands
+    in .grad twice (responses, then prompts) instead of waiting in autograd's buffer for the prompt's share."""
+    policy = HFPolicy(tiny_qwen3_config()).double()
+    tokens, plen, length = _shared_prompt_rows()
+    mask = (torch.arange(14)[None, :] >= plen[:, None]) & (torch.arange(14)[None, :] < length[:, None])
+    rows, cols = mask[:, 1:].nonzero(as_tuple=True)
+    down = policy.model.model.layers[0].mlp.down_proj.weight
+    seen = []
+    down.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    grads, outs = [], []
+    for last in (False, True):
+        policy.zero_grad(set_to_none=True)
+        policy.prompt_backward_last = last
+        out = policy.action_hidden_states(tokens, plen, rows, cols)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype)
+        (out * weights).sum().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    assert torch.equal(outs[0], outs[1])
+    assert len(seen) == 3  # once in the one graph; twice when the prompts' backward runs last
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n, want in grads[0].items():
+        assert torch.allclose(grads[1][n], want, atol=1e-13 * float(want.abs().max()), rtol=1e-12), (
+            n, float((grads[1][n] - want).abs().max()))
+
+
 def test_activation_checkpointing_gives_the_same_values_and_gradients():
     torch.manual_seed(0)
     plain = HFPolicy(tiny_qwen3_config())

@@ -67,6 +67,10 @@ class HFPolicy(nn.Module):
         self._routers = self._hook_routers()
         self._shape = None  # (B, T) of the forward running now: the routers see [B·T, D]
         self.checkpointed = False  # train.activation_checkpointing (checkpoint_activations)
+        # True when the caller takes gradients with .backward() into .grad, never torch.autograd.grad (the Learner
+        # sets it): action_hidden_states then runs the shared prompts' backward after the responses'
+        # (_prompt_backward_last), a whole model's gradient less at the peak
+        self.prompt_backward_last = False
 
     # ------------------------------------------------------------------ mixture of experts
     def _hook_routers(self) -> list:
@@ -190,6 +194,8 @@ class HFPolicy(nn.Module):
         if wide == 0:
             return hidden_prompt[inverse[rows], cols]
         cache = self._cache_of(head)
+        if self.prompt_backward_last and torch.is_grad_enabled():
+            hidden_prompt = _prompt_backward_last(cache, hidden_prompt)
         select_cache_rows(cache, inverse)  # each row's prompt keys and values, graph kept
         j = torch.arange(wide, device=tokens.device)
         at = (plen[:, None] + j[None, :]).clamp(max=tokens.shape[1] - 1)
@@ -253,6 +259,47 @@ class HFPolicy(nn.Module):
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)
         return out.logits[:, -1].float()
+
+
+def _cache_layers(cache) -> list | None:
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return None
+    return [layer for layer in layers if isinstance(layer.keys, torch.Tensor) and layer.keys.numel()]
+
+
+def _prompt_backward_last(cache, hidden: torch.Tensor) -> torch.Tensor:
+    """Cut the graph between the prompt pass and the responses' pass, the prompt's backward run once the responses'
+    is done: the responses' pass reads the prompt's keys and values (and, for the first action, its last hidden
+    state) through detached leaves, and a multi-grad hook on them runs the prompt pass's backward with their
+    gradients (a reentrant backward, as reentrant checkpointing does). The gradient is the same up to float
+    rounding (each weight's two uses summed into ``.grad`` one after the other, not first in autograd's buffer);
+    what changes is memory: one graph reading every weight twice makes autograd hold the responses' share of every
+    weight's gradient until the prompt's arrives, a whole model's gradient more at the peak (0.54 GB on
+    SmolLM2-135M). Keys and values are replaced in ``cache`` in place; the hidden state's leaf is returned. Only
+    for a caller that takes gradients with ``.backward()``: the prompt's share goes to ``.grad``, which
+    ``torch.autograd.grad`` would not see (``HFPolicy.prompt_backward_last``)."""
+    layers = _cache_layers(cache)
+    if layers is None:  # an older cache layout: one graph, as before
+        return hidden
+    outputs = [hidden] + [t for layer in layers for t in (layer.keys, layer.values)]
+    if not all(t.requires_grad for t in outputs):
+        return hidden
+    leaves = [t.detach().requires_grad_() for t in outputs]
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = leaves[1 + 2 * i], leaves[2 + 2 * i]
+
+    handle = []
+
+    def prompt_backward(grads) -> None:
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        outputs.clear()  # the prompt pass's graph goes with its backward
+        handle.pop().remove()  # the leaves' hooks hold autograd nodes that hold the leaves: a cycle gc cannot see
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    handle.append(torch.autograd.graph.register_multi_grad_hook(leaves, prompt_backward, mode="all"))
+    return leaves[0]
 
 
 def select_cache_rows(cache, rows: torch.Tensor) -> None:

@@ -128,6 +128,8 @@ class Learner:
         self.routing = routing  # a mixture of experts' selections: the trainer's own, or the sampler's (R3)
         self.ranks = ranks or Ranks()  # data-parallel learner ranks (driftless.train.parallel)
         self.sharded = sharded(policy)  # FSDP2 (train.parallel=fsdp): collectives inside every forward / backward
+        if hasattr(policy, "prompt_backward_last") and not self.sharded:
+            policy.prompt_backward_last = True  # gradients only by .backward() here: shared prompts' backward last
         if self.sharded and decomposition and keep_versions:
             raise ValueError("train.parallel=fsdp keeps no past versions' weights for Eq. 1: diagnostics.keep_versions "
                              "must be 0 (or diagnostics.decomposition false)")
