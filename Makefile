@@ -104,10 +104,12 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) real
 	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_vllm.py
-	# TRL's colocated engine in a process of its own (vLLM's process-wide parallel groups outlive an engine)
+	# TRL's colocated engine in a process of its own (vLLM's process-wide parallel groups outlive an engine), on the
+	# stand-in and on the real checkpoint
 	DRIFTLESS_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/test_trl_vllm.py
+	DRIFTLESS_REQUIRE_VLLM=1 DRIFTLESS_REAL_MODEL=$(REAL_MODEL) $(VLLM_PY) -m pytest tests/test_real_vllm.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check driftless tests bench
