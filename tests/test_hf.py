@@ -147,3 +147,84 @@ def test_activation_checkpointing_gives_the_same_values_and_gradients():
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(*grads))
     assert len(recomputed) == 2  # the layer ran again in the backward
     assert not checkpointed.model.model.layers[0].self_attn.training  # no dropout switched on
+
+
+def _by_hand(state, spec):
+    """A reference for a sampler view on a transformers model, built without HFPolicy's numerics: the weights
+    quantized by hand, every linear's input quantized by a forward pre-hook, and K and V quantized where the
+    attention receives them (a registered attention function around SDPA), run as one whole-sequence forward
+    without a cache."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from driftless.mismatch import parse_view
+
+    quant = parse_view(spec).quant
+
+    def attention(module, query, key, value, *args, **kwargs):
+        if quant.kv is not None:
+            key, value = quant.kv(key), quant.kv(value)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("kv_by_hand", attention)
+    config = tiny_qwen3_config()
+    config._attn_implementation = "kv_by_hand"
+    class WholeForward(HFPolicy):
+        output_weight = None  # scored through the model's own output layer (its input quantized too)
+
+    reference = WholeForward(config, attn_implementation="kv_by_hand")
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        for p in reference.parameters():
+            if quant.weight is not None and p.dim() == 2:
+                p.copy_(quant.weight(p))
+    if quant.act is not None:
+        for module in reference.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda m, args: (quant.act(args[0]),))
+    return reference
+
+
+@pytest.mark.parametrize("spec", ["a:int4", "kv:int4", "w8a8+kv:int4"])
+def test_activation_and_kv_views_quantize_a_transformers_samplers_linear_inputs_and_written_cache(spec):
+    """A transformers sampler under an activation / KV view records the q of the quantized engine: its cached decode
+    gives what a reference built by hand (weights, linear inputs, and K and V as the attention receives them, all
+    quantized) gives on the whole sequence without a cache, within float rounding, far closer than the unquantized
+    model; with the numerics reset the sampler is the trainer again."""
+    from driftless.mismatch import parse_view
+
+    torch.manual_seed(0)
+    trainer = HFPolicy(tiny_qwen3_config())
+    policy = HFPolicy(tiny_qwen3_config())
+    sampler = Sampler(policy, head_k=8, eos_id=None, view=parse_view(spec))
+    sampler.load(Snapshot.of(trainer, 1))
+    assert policy.numerics is not None and (policy.numerics.kv is not None) == ("kv:" in spec)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [4], [5, 6, 7]]
+    batch = sampler.generate(prompts, SamplingParams(temperature=1.0), 10, seed=0)
+    m = batch.action_mask
+    with torch.no_grad():
+        quantized = score_batch(_by_hand(trainer.state_dict(), spec), batch).logp
+        plain = score_batch(trainer, batch).logp
+    to_reference = float((quantized[m] - batch.sampler_logp[m]).abs().max())
+    to_plain = float((plain[m] - batch.sampler_logp[m]).abs().mean())
+    assert to_reference < 1e-4 and to_plain > 100 * to_reference, (to_reference, to_plain)
+
+    policy.numerics = None
+    sampler.view = parse_view("none")
+    sampler.load(Snapshot.of(trainer, 2))
+    assert all("forward" not in vars(x) for x in policy.model.modules())
+    again = sampler.generate(prompts, SamplingParams(temperature=1.0), 10, seed=0)
+    m = again.action_mask
+    assert float((score_batch(trainer, again).logp[m] - again.sampler_logp[m]).abs().max()) < 1e-5
+
+
+def test_a_transformers_model_refuses_trainer_numerics_and_native_views_by_name():
+    from driftless.mismatch import parse_view
+    from driftless.ops.numerics import Numerics
+    from driftless.ops.quant import QuantSpec
+
+    policy = HFPolicy(tiny_qwen3_config())
+    with pytest.raises(ValueError, match="need TinyLM's numerics hook"):
+        policy.numerics = Numerics(weight=QuantSpec("int8", "row"), act=QuantSpec("int8", "row"))
+    with pytest.raises(ValueError, match="native views"):
+        parse_view("w8a8+native").apply(policy)

@@ -131,8 +131,8 @@ def test_kernel_pairs_are_runnable_here_and_differ():
 
 
 def test_a_kernel_set_the_cpu_lacks_is_refused_before_any_process(tmp_path, monkeypatch):
-    from driftless.recipes.alignment import cross_process_check
     from driftless.ops import cpu
+    from driftless.recipes.alignment import cross_process_check
 
     monkeypatch.setattr(cpu, "reported_kernel_set", lambda: "avx2")  # as on an AVX2-only machine
     model = make_model("fast", TinyLMConfig(), seed=4)

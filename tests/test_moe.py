@@ -368,8 +368,8 @@ def test_the_mismatch_table_on_a_run_config_measures_its_task_prompts_and_end_id
                  "--prompts", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kinds"]["none"]["tokens"] <= 12
     for args, message in (
-            (["model.n_experts=4"], "mismatch-table (without --config): model.n_experts is a config key this command "
-                                    "does not take; it takes rollout.max_new_tokens"),
+            (["model.n_experts=4"], ("mismatch-table (without --config): model.n_experts is a config key this "
+                                     "command does not take; it takes rollout.max_new_tokens")),
             (["rollout.max_new_token=4"], "did you mean rollout.max_new_tokens?"),
             (["--config", "configs/study.yaml", "--kinds", "none", "model.d_ff=64"],
              "model.d_ff=64 is an override, not a view: put a.b=c overrides before --kinds"),

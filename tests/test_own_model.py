@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from driftless.recipes.make_model import make_model
 from driftless.models.hf_tokenizer import HFTokenizer
+from driftless.recipes.make_model import make_model
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows, write_jsonl
 from driftless.train import Run, build, load_config

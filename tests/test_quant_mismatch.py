@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftless.recipes.mismatch_table import measure_view
 from driftless.mismatch import SyncPolicy, WeightNoise, parse_view
 from driftless.models import TinyLM, TinyLMConfig
 from driftless.ops.numerics import Numerics, native_matmul
 from driftless.ops.quant import QuantSpec, fake_quant, minifloat_qdq, qdq
+from driftless.recipes.mismatch_table import measure_view
 
 
 # ---------------------------------------------------------------- formats against torch's dtypes

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from driftless.cli import main
-from driftless.train.report import summarize
 from driftless.recipes.sweep_report import write_sweep_report
 from driftless.train import load_config, train
 from driftless.train.loop import TIMING_KEYS
+from driftless.train.report import summarize
 from driftless.train.sinks import pack_run, read_metrics, record_path, unpack_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -42,6 +42,8 @@ TRIPS = {
     "vllm-decodes-itself": ["rollout.engine=vllm", "rollout.decode_latency=0.1", *HF],
     "vllm-pins-weights": ["rollout.engine=vllm", "rollout.lag=1", "rollout.refresh=retain", *HF],
     "vllm-runs-transformers": ["rollout.engine=vllm"],
+    "trainer-numerics-are-tinylms": ["mismatch.trainer_numerics=fwd-fq", "mismatch.view=w8a8", *HF],
+    "native-views-are-tinylms": ["mismatch.view=w8a8+native", *HF],
 }
 
 

@@ -13,9 +13,9 @@ from conftest import run_until_killed
 
 pytest.importorskip("transformers")
 
-from driftless.recipes.make_model import make_model
 from driftless.models.hf import HFPolicy
 from driftless.models.io import aliases, clone_state, load_weights, save_weights
+from driftless.recipes.make_model import make_model
 from driftless.rollout import Snapshot
 from driftless.rollout.scoring import score_batch
 from driftless.tasks import Countdown, CountdownConfig

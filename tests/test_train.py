@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from driftless.train.report import write_run_report
 from driftless.tasks import CharTokenizer, Countdown, CountdownConfig, score
 from driftless.train import Run, load_config, train
 from driftless.train.loop import TIMING_KEYS
+from driftless.train.report import write_run_report
 from driftless.train.sinks import has_record, read_metrics
 
 TINY = [

@@ -9,8 +9,8 @@ pytest.importorskip("trl")
 
 from datasets import Dataset
 
-from driftless.recipes.make_model import make_model
 from driftless.objectives import make
+from driftless.recipes.make_model import make_model
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows
 

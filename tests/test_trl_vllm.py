@@ -16,8 +16,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from datasets import Dataset
 from test_trl import capture, rescore
 
-from driftless.recipes.make_model import make_model
 from driftless.objectives import make
+from driftless.recipes.make_model import make_model
 from driftless.tasks import Countdown, CountdownConfig
 from driftless.tasks.export import task_rows
 

@@ -17,8 +17,10 @@ copied in. Views compose with ``+`` in a spec string (``parse_view``):
 | ``noise:SCALE[@SEED]`` | fixed relative weight noise δ = SCALE · N(0,1) · w, z drawn once per run |
 | ``router-noise:SCALE[@SEED]`` | the same noise on the MoE routers' weights only: the sampler picks other experts, every expert computes as the trainer's |
 
-Quantized execution needs a policy with a ``numerics`` hook (TinyLM); for other policies
-weight-only formats and noise act on the state dict.
+Quantized execution needs a policy with a ``numerics`` hook. TinyLM takes every format there; a
+transformers model (``HFPolicy``, ``weights_on_state_dict``) takes activation and KV formats there and
+its weight formats act on the state dict (every 2-D parameter, the embedding included, once per sync);
+other policies take weight-only formats and noise only.
 """
 
 from __future__ import annotations
@@ -59,15 +61,22 @@ class QuantView:
         return out
 
     def apply(self, policy) -> None:
-        if isinstance(policy, SupportsNumerics):
+        if isinstance(policy, SupportsNumerics) and not getattr(policy, "weights_on_state_dict", False):
             policy.numerics = self.numerics
             return
         if self.act is not None or self.kv is not None:
-            raise ValueError(f"{type(policy).__name__} has no numerics hook: only weight-only views and noise apply")
-        with torch.no_grad():
-            for p in policy.parameters():
-                if p.dim() == 2:
-                    p.copy_(self.weight(p))
+            if not isinstance(policy, SupportsNumerics):
+                raise ValueError(f"{type(policy).__name__} has no numerics hook: only weight-only views and noise "
+                                 "apply")
+            if self.native:
+                raise ValueError(f"{type(policy).__name__}: native views (codes with exact accumulation) need "
+                                 "TinyLM's numerics hook")
+            policy.numerics = Numerics(act=self.act, kv=self.kv)
+        if self.weight is not None:
+            with torch.no_grad():
+                for p in policy.parameters():
+                    if p.dim() == 2:
+                        p.copy_(self.weight(p))
 
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in ("weight", "act", "kv") if getattr(self, n) is not None]

@@ -36,6 +36,7 @@ class HFCache:
 
 class HFPolicy(nn.Module):
     execution = "fast"
+    weights_on_state_dict = True  # a sampler view's weight formats act on the state dict (mismatch.views)
 
     def __init__(self, source, *, dtype=torch.float32, attn_implementation: str = "sdpa",
                  max_seq_len: int | None = None):
@@ -71,6 +72,40 @@ class HFPolicy(nn.Module):
         # sets it): action_hidden_states then runs the shared prompts' backward after the responses'
         # (_prompt_backward_last), a whole model's gradient less at the peak
         self.prompt_backward_last = False
+        self._numerics = None
+
+    # ------------------------------------------------------------------ sampler numerics
+    @property
+    def numerics(self):
+        """The sampler's quantized execution (``ops.numerics.Numerics``) with activation and KV formats only:
+        every ``nn.Linear``'s input is fake-quantized per token (the output layer's included, as TinyLM's), and K
+        and V are fake-quantized once, when written to the cache (after the rotary embedding, per token and head).
+        Weight formats act on the state dict instead (``mismatch.views.QuantView``), once per sync; a trainer's
+        forward numerics (``mismatch.trainer_numerics``) are TinyLM's only and refused here by name."""
+        return self._numerics
+
+    @numerics.setter
+    def numerics(self, value) -> None:
+        if value is not None and (value.weight is not None or value.backward is not None or value.native):
+            raise ValueError(f"{type(self).__name__}: numerics with weight, backward or native formats ({value}) "
+                             "need TinyLM's numerics hook; on a transformers model weight formats act on the state "
+                             "dict (the sampler's views) and the trainer runs at full precision "
+                             "(mismatch.trainer_numerics=fp)")
+        self._numerics = value if value is not None and (value.act is not None or value.kv is not None) else None
+        act = self._numerics is not None and self._numerics.act is not None
+        for module in self.model.modules():
+            if isinstance(module, nn.Linear):
+                if act:
+                    module.forward = _QuantizedInput(module, self._numerics)
+                else:
+                    module.__dict__.pop("forward", None)
+
+    def _new_past(self) -> dict:
+        """The cache keyword of a sampler forward: a cache that fake-quantizes K and V as they are written when the
+        numerics have a KV format, else none (the model makes its own)."""
+        if self._numerics is None or self._numerics.kv is None:
+            return {}
+        return {self._cache_kw: _quantized_write_cache(self._numerics.kv_write)}
 
     # ------------------------------------------------------------------ mixture of experts
     def _hook_routers(self) -> list:
@@ -222,7 +257,8 @@ class HFPolicy(nn.Module):
         mask = (torch.arange(t, device=tokens.device)[None, :] < lengths[:, None]).long()
         positions = torch.arange(t, device=tokens.device)[None, :].expand(tokens.shape[0], t)
         self._shape = tuple(tokens.shape)
-        out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True,
+                         **self._new_past())
         cache.past, cache.mask = self._cache_of(out), mask
         return out.logits.float()
 
@@ -246,7 +282,7 @@ class HFPolicy(nn.Module):
         self._shape = tuple(tokens.shape)
         keep = torch.unique(lengths - 1)  # sorted
         out = self.model(input_ids=tokens.long(), attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=keep)
+                         logits_to_keep=keep, **self._new_past())
         cache.past, cache.mask = self._cache_of(out), mask
         column = torch.searchsorted(keep, lengths - 1)
         return out.logits[torch.arange(tokens.shape[0], device=tokens.device), column].float()
@@ -259,6 +295,29 @@ class HFPolicy(nn.Module):
                          position_ids=positions[:, None].long(), use_cache=True, **{self._cache_kw: cache.past})
         cache.past = self._cache_of(out)
         return out.logits[:, -1].float()
+
+
+class _QuantizedInput:
+    """A linear layer's forward with its input fake-quantized (the sampler's activation format)."""
+
+    def __init__(self, linear: nn.Linear, numerics):
+        self.linear, self.numerics = linear, numerics
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.numerics.act.fake(x, self.numerics.ste), self.linear.weight, self.linear.bias)
+
+
+def _quantized_write_cache(write):
+    """A transformers ``DynamicCache`` whose keys and values pass through ``write`` when they are stored; the
+    attention of the same forward reads them back from it, so a token sees its own K and V quantized as well (the
+    KV-cache views' "quantized once, when written")."""
+    from transformers.cache_utils import DynamicCache
+
+    class QuantizedWriteCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(write(key_states), write(value_states), layer_idx, *args, **kwargs)
+
+    return QuantizedWriteCache()
 
 
 def _cache_layers(cache) -> list | None:

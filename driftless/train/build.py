@@ -164,7 +164,8 @@ def check(config: RunConfig, parts: Parts | None = None) -> RunConfig:
             if config.rollout.engine == "vllm" and made.quant is not None and (made.quant.act is not None
                                                                              or made.quant.kv is not None):
                 raise ValueError(f"mismatch.view={config.mismatch.view!r}: with rollout.engine=vllm only weight-only "
-                                 "views and noise apply (activation / KV views need TinyLM's numerics hook)")
+                                 "views and noise apply (activation / KV views need the built-in sampler's numerics "
+                                 "hook)")
     if config.train.routing == "replay" and config.rollout.engine == "vllm":
         from driftless.rollout.vllm import routes_unavailable
 

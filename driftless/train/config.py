@@ -477,6 +477,14 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.train.activation_checkpointing and c.model.kind != "hf",
          lambda c: (f"train.activation_checkpointing recomputes a transformers model's layers (model.kind=hf); "
                     f"model.kind={c.model.kind!r} keeps its activations (lower train.micro_batch_tokens instead)")),
+    Rule("trainer-numerics-are-tinylms", ("mismatch.trainer_numerics", "model.kind"),
+         lambda c: c.mismatch.trainer_numerics != "fp" and c.model.kind == "hf",
+         lambda c: (f"mismatch.trainer_numerics={c.mismatch.trainer_numerics!r} needs TinyLM's numerics hook; with "
+                    "model.kind=hf the trainer runs at full precision (fp) and the sampler's view alone quantizes")),
+    Rule("native-views-are-tinylms", ("mismatch.view", "model.kind"),
+         lambda c: c.model.kind == "hf" and "native" in (c.mismatch.view or "").replace(" ", "").split("+"),
+         lambda c: (f"mismatch.view={c.mismatch.view!r}: native views (codes with exact accumulation) need TinyLM's "
+                    "numerics hook, not model.kind=hf; drop +native (fake quantization)")),
     Rule("vllm-runs-transformers", ("rollout.engine", "model.kind"),
          lambda c: c.rollout.engine == "vllm" and c.model.kind != "hf",
          lambda c: f"rollout.engine=vllm needs model.kind=hf (vLLM runs transformers models), got {c.model.kind!r}"),
