@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/sharded_generation.py                  # 2 rounds, 6 steps a run
     .venv/bin/python bench/sharded_generation.py --rounds 3 --steps 8
+    .venv/bin/python bench/sharded_generation.py model.max_seq_len=160 rollout.max_new_tokens=128 rollout.ignore_eos=true
+                                                  # longer responses: KEY=VALUE overrides after the default config
 
 A generation-heavy config (the default TinyLM, not warm-started, so responses run to ``max_new_tokens``; 16 prompts
 x 8 samples, 40 new tokens; rollout.draws=row everywhere, so every layout samples the same batch) trained by
@@ -12,8 +14,10 @@ x 8 samples, 40 new tokens; rollout.draws=row everywhere, so every layout sample
 - ``ranks2_repeated``: 2 torchrun ranks x 1 thread, each generating the whole batch (the layout before sharding);
 - ``one_2t``: one process, two threads.
 
-Per layout: the median over steps (the first step of each run left out: warm-up) of ``rollout_s`` (generation +
-scoring, on rank 0), ``step_time`` and the learner's part (``step_time - rollout_s``). The ratios: sharded against
+Per layout: the median over steps (the first step of each run left out: warm-up) of ``generate_s`` (rank 0's own
+decode: the batch's tokens over ``tokens_per_s``, which divides them by this rank's generation time), ``rollout_s``
+(rank 0's generation, rewards and, sharded, the exchange of the shares, which waits for the slower rank),
+``step_time`` and the learner's part (``step_time - rollout_s``). The ratios: sharded against
 one process at one thread (goals: generation <= 0.6, step <= 0.65) and against one process at two threads (the same
 two cores used otherwise: goal, throughput >= 0.9 of it, i.e. a step time ratio <= 1 / 0.9).
 """
@@ -41,10 +45,10 @@ LAYOUTS = {
 }
 
 
-def run(layout: str, steps: int, out: Path, port: int) -> list[dict]:
+def run(layout: str, steps: int, out: Path, port: int, config: list[str]) -> list[dict]:
     ranks, threads, extra = LAYOUTS[layout]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    args = ["-m", "driftless", "train", "configs/default.yaml", *CONFIG, f"train.steps={steps}", *extra,
+    args = ["-m", "driftless", "train", "configs/default.yaml", *config, f"train.steps={steps}", *extra,
             "--run-dir", str(out), "--no-progress"]
     if ranks > 1:
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), "--master-port",
@@ -61,14 +65,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="train's keys applied after the bench's config")
     args = ap.parse_args()
-    samples = {name: {"rollout_s": [], "step_time": [], "learner_s": []} for name in LAYOUTS}
+    config = CONFIG + args.overrides
+    samples = {name: {"generate_s": [], "rollout_s": [], "step_time": [], "learner_s": []} for name in LAYOUTS}
     generated = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for i, name in enumerate(LAYOUTS):
-                lines = run(name, args.steps, Path(tmp) / f"{name}-{r}", 29600 + 10 * r + i)
+                lines = run(name, args.steps, Path(tmp) / f"{name}-{r}", 29600 + 10 * r + i, config)
                 for line in lines[1:]:
+                    samples[name]["generate_s"].append(line["tokens"] / line["tokens_per_s"])  # rank 0's decode
                     samples[name]["rollout_s"].append(line["rollout_s"])
                     samples[name]["step_time"].append(line["step_time"])
                     samples[name]["learner_s"].append(line["step_time"] - line["rollout_s"])
@@ -80,8 +87,9 @@ def main() -> None:
     one, sharded, two = med["one_1t"], med["ranks2_sharded"], med["one_2t"]
     print(json.dumps({
         "bench": "sharded_generation", "cpu": platform.processor() or platform.machine(), "rounds": args.rounds,
-        "steps": args.steps, "config": CONFIG, "median_s": med, "generated": generated,
+        "steps": args.steps, "config": config, "median_s": med, "generated": generated,
         "ratios": {
+            "decode_sharded_over_one_1t": round(sharded["generate_s"] / one["generate_s"], 3),
             "generation_sharded_over_one_1t": round(sharded["rollout_s"] / one["rollout_s"], 3),
             "step_sharded_over_one_1t": round(sharded["step_time"] / one["step_time"], 3),
             "step_repeated_over_one_1t": round(med["ranks2_repeated"]["step_time"] / one["step_time"], 3),

@@ -144,3 +144,36 @@ def test_bf16_trains_with_float32_master_weights_and_log_probs(setup):
 
     with pytest.raises(ValueError, match="train.precision=bf16 with model.execution=aligned"):
         load_config(None, ["train.precision=bf16", "model.execution=aligned"])
+
+
+
+def test_the_mmap_threshold_is_handed_to_glibc_in_the_learners_process_and_refused_where_it_cannot_be(monkeypatch):
+    """train.malloc_mmap_threshold reaches glibc's mallopt(M_MMAP_THRESHOLD, value) when the learner is built (a
+    recording stand-in for the C library here; the real one accepts the value in a child process, the setting being
+    process-wide), and a value glibc cannot take, or a process without glibc, is refused at start by name."""
+    import subprocess
+    import sys
+
+    from driftless.train import allocator, build, load_config
+
+    with pytest.raises(ValueError, match=r"train.malloc_mmap_threshold=40000000: glibc takes 0 to 33554432 bytes"):
+        build.check(load_config(None, ["train.malloc_mmap_threshold=40000000"]))
+    calls = []
+
+    class C:
+        def mallopt(self, option, value):
+            calls.append((option.value, value.value))
+            return 1
+
+    monkeypatch.setattr(allocator, "_glibc", lambda: C())
+    config = load_config(None, ["train.malloc_mmap_threshold=65536", "model.warm_start=false"])
+    build.learner(config, build.initial_state(config, progress=False)[0])
+    assert calls == [(allocator.M_MMAP_THRESHOLD, 65536)]
+    monkeypatch.setattr(allocator, "_glibc", lambda: None)
+    with pytest.raises(ValueError, match=r"train.malloc_mmap_threshold=65536 sets glibc's allocator .* leave it unset"):
+        build.check(config)
+    monkeypatch.undo()
+    if allocator._glibc() is not None:
+        code = "from driftless.train.allocator import set_mmap_threshold as s; s(65536)"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]

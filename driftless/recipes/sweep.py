@@ -210,8 +210,8 @@ def _run_trial(base, overrides: list[str], run_dir: Path, report, keep_checkpoin
     return summary
 
 
-# settings that change where a run's outputs go or how they are shown, never its numbers
-_PRESENTATION = {"train": ("loggers", "progress", "run_dir"), "warm_start": ("cache_dir",)}
+# settings that change where a run's outputs go, how they are shown or how its process allocates, never its numbers
+_PRESENTATION = {"train": ("loggers", "progress", "run_dir", "malloc_mmap_threshold"), "warm_start": ("cache_dir",)}
 
 
 def _computation(cfg: RunConfig) -> dict:

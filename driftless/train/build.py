@@ -23,6 +23,7 @@ from driftless.rollout import SamplingParams
 from driftless.rollout.text import TextCodec
 from driftless.rollout.worker import RolloutSettings, RolloutWorker
 from driftless.tasks import Arithmetic, CharTokenizer, Countdown, CountdownConfig, FirstToken
+from driftless.train.allocator import mmap_threshold_refusal, set_mmap_threshold
 from driftless.train.config import RunConfig
 from driftless.train.learner import Learner, make_optimizer
 from driftless.train.parallel import Ranks, fully_shard_policy
@@ -150,6 +151,9 @@ def check(config: RunConfig, parts: Parts | None = None) -> RunConfig:
         raise ValueError("train.device=cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU "
                          "visible): use train.device=cpu or auto")
     _check_text(config)
+    why = mmap_threshold_refusal(config.train.malloc_mmap_threshold)
+    if why:
+        raise ValueError(why)
     parts = parts or Parts(config)
     for section, name in (("task", "task"), ("objective", "objective"), ("mismatch.view", "view"),
                           ("rollout", "sampling")):
@@ -251,6 +255,8 @@ def learner(config: RunConfig, state: dict, parts: Parts | None = None) -> Learn
     """The learner of ``config`` on weights ``state``: policy (with the trainer's numerics) on its device, sharded
     over the learner ranks under ``train.parallel=fsdp``, objective, optimizer."""
     parts = parts or Parts(config)
+    if config.train.malloc_mmap_threshold is not None:
+        set_mmap_threshold(config.train.malloc_mmap_threshold)  # this process: the learner's (a Ray actor's too)
     # the initial weights are the learner's to train (Run hands every other user its own copy, or these same
     # tensors to sample from); FSDP shards its own copy
     trained = policy(config, state, parts.tokenizer, adopt=config.train.parallel != "fsdp").to(device(config))

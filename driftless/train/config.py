@@ -283,6 +283,7 @@ class TrainSection(_Section):
     minibatches: int = _positive(1)  # optimizer steps per pass (rows split into contiguous minibatches)
     micro_batch_tokens: int | None = _at_least(None, 1)  # gradient accumulation: at most this many tokens a forward
     activation_checkpointing: bool = False  # model.kind=hf: keep each layer's input only, recompute it in the backward
+    malloc_mmap_threshold: int | None = None  # glibc: the learner's allocations of at least this many bytes are mmapped, freed back (train.allocator)
     reproducible: bool = False  # every operation of the run with the same bits on any CPU (driftless.ops.reproducible)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the learner's forward under autocast, float32 master weights
     learner_ranks: int = _positive(1)  # data-parallel learner processes under torchrun (driftless.train.parallel)
