@@ -11,7 +11,8 @@ rounded by definition, so the chain has exactly one result; what a machine may v
   advance together: the reduction over ``k`` is never split, reordered or vectorised;
 - threads own whole tiles of outputs, never a part of a sum, so the thread count cannot matter;
 - a row's result depends on that row of ``a`` and on ``b`` alone, never on other rows or on the
-  batch's shape: a tile with fewer than 4 rows runs the same code for the rows it has, and a tile
+  batch's shape: a tile of 6 rows (AVX2 intrinsics where the compiler targets AVX2 and FMA3) and a
+  tile with fewer rows (plain C, the rows it has) compute the same chain per output, and a tile
   past the last column computes its missing columns from whatever lies there (zeros, or the
   neighbouring memory of a view) in SIMD lanes of their own, then drops them;
 - ``b`` is read in place when its rows are row-major and readable to the next multiple of 16
@@ -58,9 +59,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MR 4
+#define MR 6
 #define NR 16
-#define MB 64
+#define MB 60
 
 /* One tile: rows 0 .. mr-1 of a (row stride lda) against columns 0 .. NR-1 of b (row stride ldb),
    each output one fma chain over k; the first nr columns are stored. b's rows must be readable up
@@ -73,7 +74,7 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
         for (int j = 0; j < NR; ++j) acc[i][j] = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
         const float *bk = b + k * ldb;
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 6")
         for (int i = 0; i < mr; ++i) {
             const float ai = a[i * lda + k];
             _Pragma("GCC unroll 16")
@@ -84,10 +85,44 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
         for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = acc[i][j];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* tile() for a full MR = 6 rows, written with AVX2 / FMA3 intrinsics so that the 12 accumulators (6 rows x 2
+   vectors of 8 columns) stay in registers (GCC's code for the array above spills at 6 rows). _mm256_fmadd_ps is 8
+   independent correctly rounded fmas, one per column: every output is the same chain, in the same k order, from the
+   same +0, as in tile(), so the bits are tile()'s. */
+#define ROW(i) ai = _mm256_broadcast_ss(a + (i) * lda + k); \
+               c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0); c##i##1 = _mm256_fmadd_ps(ai, b1, c##i##1);
+static inline __attribute__((always_inline)) void tile6(const float *a, int64_t lda, const float *b, int64_t ldb,
+                                                        float *c, int64_t ldc, int64_t K, int64_t nr) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, ai;
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+    }
+    float out[MR][NR];
+    _mm256_storeu_ps(out[0], c00); _mm256_storeu_ps(out[0] + 8, c01);
+    _mm256_storeu_ps(out[1], c10); _mm256_storeu_ps(out[1] + 8, c11);
+    _mm256_storeu_ps(out[2], c20); _mm256_storeu_ps(out[2] + 8, c21);
+    _mm256_storeu_ps(out[3], c30); _mm256_storeu_ps(out[3] + 8, c31);
+    _mm256_storeu_ps(out[4], c40); _mm256_storeu_ps(out[4] + 8, c41);
+    _mm256_storeu_ps(out[5], c50); _mm256_storeu_ps(out[5] + 8, c51);
+    for (int i = 0; i < MR; ++i)
+        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = out[i][j];
+}
+#undef ROW
+#define FULL_TILE(a, lda, b, ldb, c, ldc, K, nr) tile6(a, lda, b, ldb, c, ldc, K, nr)
+#else
+#define FULL_TILE(a, lda, b, ldb, c, ldc, K, nr) tile(a, lda, b, ldb, c, ldc, K, MR, nr)
+#endif
+
 /* A tile of min(rows, MR) rows: each row count runs its own inlined copy of tile() (constant mr). */
 static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc,
                              int64_t K, int64_t rows, int64_t nr) {
     switch (rows < MR ? rows : MR) {
+        case 6: FULL_TILE(a, lda, b, ldb, c, ldc, K, nr); break;
+        case 5: tile(a, lda, b, ldb, c, ldc, K, 5, nr); break;
         case 4: tile(a, lda, b, ldb, c, ldc, K, 4, nr); break;
         case 3: tile(a, lda, b, ldb, c, ldc, K, 3, nr); break;
         case 2: tile(a, lda, b, ldb, c, ldc, K, 2, nr); break;
