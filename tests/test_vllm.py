@@ -164,6 +164,11 @@ def test_models_the_engine_cannot_run_are_refused_with_the_cause(tmp_path):
         VLLMSampler(policy, model_dir=tmp_path / "model", tokenizer=True)
     with pytest.raises(ValueError, match="has no config.json"):
         VLLMSampler(policy, model_dir=tmp_path)
+    from driftless.mismatch import parse_view
+
+    for spec in ("a:int8", "kv:int8", "dtype:bf16"):  # the engine would never run them: refused, not ignored
+        with pytest.raises(ValueError, match="only weight-only views and noise apply"):
+            VLLMSampler(policy, view=parse_view(spec))
 
 
 def test_config_refuses_what_the_vllm_engine_cannot_do():

@@ -91,21 +91,31 @@ class HFPolicy(nn.Module):
                              "need TinyLM's numerics hook; on a transformers model weight formats act on the state "
                              "dict (the sampler's views) and the trainer runs at full precision "
                              "(mismatch.trainer_numerics=fp)")
+        if value is not None and value.act is not None and (self.route_shape is not None or any(
+                p.dim() > 2 for p in self.model.parameters())):
+            raise ValueError(f"{type(self).__name__}: activation views ({value.act}) quantize nn.Linear inputs, and "
+                             "this mixture of experts computes its experts and routers outside nn.Linear; use "
+                             "weight-only views, KV views or noise on it")
         self._numerics = value if value is not None and (value.act is not None or value.kv is not None) else None
         act = self._numerics is not None and self._numerics.act is not None
         for module in self.model.modules():
-            if isinstance(module, nn.Linear):
-                if act:
-                    module.forward = _QuantizedInput(module, self._numerics)
+            if not isinstance(module, nn.Linear):
+                continue
+            mine = module.__dict__.get("forward")
+            if isinstance(mine, _QuantizedInput):  # ours: put back what it wrapped
+                if mine.instance_forward is None:
+                    del module.forward
                 else:
-                    module.__dict__.pop("forward", None)
+                    module.forward = mine.instance_forward
+            if act:
+                module.forward = _QuantizedInput(module, self._numerics)
 
     def _new_past(self) -> dict:
         """The cache keyword of a sampler forward: a cache that fake-quantizes K and V as they are written when the
         numerics have a KV format, else none (the model makes its own)."""
         if self._numerics is None or self._numerics.kv is None:
             return {}
-        return {self._cache_kw: _quantized_write_cache(self._numerics.kv_write)}
+        return {self._cache_kw: _quantized_write_cache(self._numerics.kv_write, self.model.config)}
 
     # ------------------------------------------------------------------ mixture of experts
     def _hook_routers(self) -> list:
@@ -298,16 +308,19 @@ class HFPolicy(nn.Module):
 
 
 class _QuantizedInput:
-    """A linear layer's forward with its input fake-quantized (the sampler's activation format)."""
+    """A linear layer's forward with its input fake-quantized (the sampler's activation format), then the layer's
+    own forward (a subclass's, or an instance-level wrapper another library set, which is restored on reset)."""
 
     def __init__(self, linear: nn.Linear, numerics):
-        self.linear, self.numerics = linear, numerics
+        self.instance_forward = linear.__dict__.get("forward")
+        self.forward = linear.forward
+        self.numerics = numerics
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(self.numerics.act.fake(x, self.numerics.ste), self.linear.weight, self.linear.bias)
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.forward(self.numerics.act.fake(x, self.numerics.ste), *args, **kwargs)
 
 
-def _quantized_write_cache(write):
+def _quantized_write_cache(write, config=None):
     """A transformers ``DynamicCache`` whose keys and values pass through ``write`` when they are stored; the
     attention of the same forward reads them back from it, so a token sees its own K and V quantized as well (the
     KV-cache views' "quantized once, when written")."""
@@ -317,7 +330,9 @@ def _quantized_write_cache(write):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             return super().update(write(key_states), write(value_states), layer_idx, *args, **kwargs)
 
-    return QuantizedWriteCache()
+    # the model's own cache is DynamicCache(config=...) where it takes one (sliding-window layers): the same here
+    takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
+    return QuantizedWriteCache(config=config) if takes_config and config is not None else QuantizedWriteCache()
 
 
 def _cache_layers(cache) -> list | None:

