@@ -5,7 +5,8 @@ freed. By default the threshold is dynamic: it starts at 128 KiB and rises to th
 (up to 32 MiB), so after the first few steps a training process's tensors come from the heap, whose freed pages
 stay resident (glibc's "heap slack": 0.5-0.8 GB of SmolLM2's peak RSS here, docs/real-model.md). Fixing the
 threshold (``mallopt``, what the ``MALLOC_MMAP_THRESHOLD_`` environment variable does for a whole process) hands
-freed tensors back to the system, at the cost of fresh page faults when the next one is made.
+freed tensors back to the system, at the cost of fresh page faults when the next one is made. The setting is the
+whole process's: with the thread runtime the sampler beside the learner gets it too.
 """
 
 from __future__ import annotations
