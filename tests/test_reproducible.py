@@ -70,19 +70,28 @@ def record(run: Path) -> tuple[list[dict], dict[str, torch.Tensor], dict]:
     return lines, weights, json.loads((run / "initial_eval.json").read_text())
 
 
+class _Runs(dict):
+    """{case: {kernel set: record}}, each case trained under each profile when first asked for (a run of
+    `make test` trains only the cases it tests)."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp = tmp_path_factory
+
+    def __missing__(self, case):
+        self[case] = {name: record(train_in(profile, self.tmp.mktemp(f"{case}-{name}"), CASES[case]))
+                      for name, profile in profiles().items()}
+        return self[case]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each case trained once under each profile: {case: {kernel set: record}}."""
-    out = {}
-    for case, extra in CASES.items():
-        out[case] = {}
-        for name, profile in profiles().items():
-            out[case][name] = record(train_in(profile, tmp_path_factory.mktemp(f"{case}-{name}"), extra))
-    return out
+    return _Runs(tmp_path_factory)
 
 
 @needs_two_kernel_sets
-@pytest.mark.parametrize("case", list(CASES))
+# pg in `make test`; the PPO and row-draw cases (another minute of training per kernel set) in `make test-slow`
+@pytest.mark.parametrize("case", [c if c == "pg" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 @pytest.mark.parametrize("pair", range(len(kernel_pairs())), ids=lambda i: "-vs-".join(
     p["ATEN_CPU_CAPABILITY"] for p in kernel_pairs()[i]))
 def test_training_is_bitwise_the_same_on_every_kernel_set(runs, case, pair):
