@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from driftless.ops import fixed_mm
+from driftless.ops.cpu import runnable_kernel_sets
 from driftless.ops.fixed_mm import fixed_order_mm, fixed_order_mm_reference
 
 
@@ -22,7 +23,7 @@ def _operands(seed: int, m: int, k: int, n: int, spread: float) -> tuple[torch.T
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 9), k=st.integers(1, 70), n=st.integers(1, 40),
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 30), k=st.integers(1, 70), n=st.integers(1, 40),
        spread=st.sampled_from([0.0, 3.0, 10.0]))
 def test_the_compiled_kernel_gives_the_reference_chain_bit_for_bit(seed, m, k, n, spread):
     a, b = _operands(seed, m, k, n, spread)
@@ -98,6 +99,32 @@ def test_without_a_compiler_it_warns_once_and_gives_the_same_bits(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["1", "True"]
     assert torch.equal(torch.load(tmp_path / "c.pt"), fixed_order_mm(a, b))
+
+
+@pytest.mark.parametrize("kernel_set", runnable_kernel_sets())
+def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_set):
+    # the AVX-512 build (12-row tiles of 16-lane vectors), the AVX2 one (6-row tiles of two 8-lane vectors, plain C
+    # for the rest), the plain-C one (ATEN_CPU_CAPABILITY=default), as far as this CPU runs them: each row count 1-30 (full tiles and every remainder), a transposed b
+    # (the panel path) too; compared with this process's kernel and with the reference
+    cases = [_operands(seed, m, 37, 45, 3.0) for seed, m in enumerate(range(1, 31))]
+    torch.save(cases, tmp_path / "cases.pt")
+    script = (
+        "import torch\n"
+        "from driftless.ops import fixed_mm\n"
+        f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
+        "out = [fixed_mm.fixed_order_mm(a, b) for a, b in cases]\n"
+        "out += [fixed_mm.fixed_order_mm(a, b.t().contiguous().t()) for a, b in cases]\n"
+        "assert fixed_mm.kernel_failure() is None\n"
+        f"torch.save((out, fixed_mm._flags()), {str(tmp_path / 'out.pt')!r})\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": kernel_set, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    out, flags = torch.load(tmp_path / "out.pt")
+    assert ("-mavx512f" in flags) == (kernel_set == "avx512")  # the build this kernel set asks for
+    for (a, b), c, c_panel in zip(cases, out[:30], out[30:]):
+        assert torch.equal(c, fixed_order_mm(a, b))
+        assert torch.equal(c_panel, c)
+        assert torch.equal(c, fixed_order_mm_reference(a, b))
 
 
 def test_the_reference_can_be_chosen_and_a_bad_choice_is_refused_by_name(monkeypatch):

@@ -243,3 +243,35 @@ def test_each_kernel_set_gets_its_own_inductor_cache(monkeypatch, tmp_path):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
         dirs.add(path)
     assert len(dirs) == 2
+
+
+@pytest.mark.compiled
+def test_a_library_compiled_at_one_thread_count_serves_every_other(tmp_path):
+    """Inductor's kernels read the thread count when they run (``cpp.dynamic_threads``): the demo's warm start
+    (2 threads) compiles what its 1-thread runs then load from the cache instead of compiling it again; the
+    values are the same at both counts (elementwise chains and reductions exact in any order)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "torch.set_num_threads(int(sys.argv[1]))\n"
+        "from torch._dynamo.utils import counters\n"
+        "from driftless.ops import exact\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(4000, 151, generator=g) * 30\n"
+        "y = exact.exact_log_softmax_values(x)\n"
+        "torch.save(y, sys.argv[2])\n"
+        "print(counters['inductor']['fxgraph_cache_miss'], counters['inductor']['fxgraph_cache_hit'])\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("DRIFTLESS_FUSED_ALIGNED", None)
+    counts = []
+    for threads in (2, 1):
+        done = subprocess.run([sys.executable, "-c", script, str(threads), str(tmp_path / f"y{threads}.pt")],
+                              env=env, capture_output=True, text=True, check=True)
+        counts.append([int(v) for v in done.stdout.split()[-2:]])
+    assert counts[0][0] >= 1  # compiled at 2 threads
+    assert counts[1] == [0, counts[0][0] + counts[0][1]]  # every graph found in the cache at 1 thread
+    assert torch.equal(torch.load(tmp_path / "y1.pt"), torch.load(tmp_path / "y2.pt"))

@@ -11,8 +11,9 @@ rounded by definition, so the chain has exactly one result; what a machine may v
   advance together: the reduction over ``k`` is never split, reordered or vectorised;
 - threads own whole tiles of outputs, never a part of a sum, so the thread count cannot matter;
 - a row's result depends on that row of ``a`` and on ``b`` alone, never on other rows or on the
-  batch's shape: a tile of 6 rows (AVX2 intrinsics where the compiler targets AVX2 and FMA3) and a
-  tile with fewer rows (plain C, the rows it has) compute the same chain per output, and a tile
+  batch's shape: a tile of up to 12 rows (AVX-512 intrinsics, where ATen reports AVX-512), a tile of
+  6 rows (AVX2 intrinsics where the compiler targets AVX2 and FMA3) and a tile with fewer rows
+  (plain C, the rows it has) compute the same chain per output, and a tile
   past the last column computes its missing columns from whatever lies there (zeros, or the
   neighbouring memory of a view) in SIMD lanes of their own, then drops them;
 - ``b`` is read in place when its rows are row-major and readable to the next multiple of 16
@@ -62,6 +63,12 @@ _SOURCE = r"""
 #define MR 6
 #define NR 16
 #define MB 60
+
+#if defined(__AVX512F__)
+#define MT 12 /* rows a tile: tile_z below */
+#else
+#define MT MR
+#endif
 
 /* One tile: rows 0 .. mr-1 of a (row stride lda) against columns 0 .. NR-1 of b (row stride ldb),
    each output one fma chain over k; the first nr columns are stored. b's rows must be readable up
@@ -117,6 +124,43 @@ static inline __attribute__((always_inline)) void tile6(const float *a, int64_t 
 #define FULL_TILE(a, lda, b, ldb, c, ldc, K, nr) tile(a, lda, b, ldb, c, ldc, K, MR, nr)
 #endif
 
+#if defined(__AVX512F__)
+/* tile() with AVX-512 (built where ATen reports AVX-512): one 16-lane vector of accumulators per row, up to MT = 12
+   rows (12 of the 32 vector registers). _mm512_fmadd_ps is 16 independent correctly rounded fmas, one per column,
+   so every output is again the chain of tile(): the same bits. A masked store keeps the first nr columns. */
+static inline __attribute__((always_inline)) void tile_z(const float *a, int64_t lda, const float *b, int64_t ldb,
+                                                         float *c, int64_t ldc, int64_t K, const int mr, int64_t nr) {
+    __m512 acc[MT];
+    _Pragma("GCC unroll 12")
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const __m512 bk = _mm512_loadu_ps(b + k * ldb);
+        _Pragma("GCC unroll 12")
+        for (int i = 0; i < mr; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i * lda + k]), bk, acc[i]);
+    }
+    const __mmask16 keep = (__mmask16)(nr >= NR ? 0xFFFFu : (1u << nr) - 1u);
+    for (int i = 0; i < mr; ++i) _mm512_mask_storeu_ps(c + i * ldc, keep, acc[i]);
+}
+
+/* A tile of min(rows, MT) rows: each row count runs its own inlined copy of tile_z() (constant mr). */
+static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc,
+                             int64_t K, int64_t rows, int64_t nr) {
+    switch (rows < MT ? rows : MT) {
+        case 12: tile_z(a, lda, b, ldb, c, ldc, K, 12, nr); break;
+        case 11: tile_z(a, lda, b, ldb, c, ldc, K, 11, nr); break;
+        case 10: tile_z(a, lda, b, ldb, c, ldc, K, 10, nr); break;
+        case 9: tile_z(a, lda, b, ldb, c, ldc, K, 9, nr); break;
+        case 8: tile_z(a, lda, b, ldb, c, ldc, K, 8, nr); break;
+        case 7: tile_z(a, lda, b, ldb, c, ldc, K, 7, nr); break;
+        case 6: tile_z(a, lda, b, ldb, c, ldc, K, 6, nr); break;
+        case 5: tile_z(a, lda, b, ldb, c, ldc, K, 5, nr); break;
+        case 4: tile_z(a, lda, b, ldb, c, ldc, K, 4, nr); break;
+        case 3: tile_z(a, lda, b, ldb, c, ldc, K, 3, nr); break;
+        case 2: tile_z(a, lda, b, ldb, c, ldc, K, 2, nr); break;
+        default: tile_z(a, lda, b, ldb, c, ldc, K, 1, nr); break;
+    }
+}
+#else
 /* A tile of min(rows, MR) rows: each row count runs its own inlined copy of tile() (constant mr). */
 static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc,
                              int64_t K, int64_t rows, int64_t nr) {
@@ -129,6 +173,7 @@ static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_
         default: tile(a, lda, b, ldb, c, ldc, K, 1, nr); break;
     }
 }
+#endif
 
 /* c[g] = a[g] @ b[g] for g < batch; a's rows have unit stride, b is read through its strides
    (b_col between columns), b_readable floats from b's start exist. Returns 0, or 1 if a panel
@@ -136,19 +181,19 @@ static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_
 int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
                               int64_t N, int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb,
                               int64_t b_col, int64_t b_readable, int threads) {
-    const int64_t mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR;
+    const int64_t mt = (M + MT - 1) / MT, nt = (N + NR - 1) / NR;
     const int64_t last_row = (batch - 1) * b_batch + (K - 1) * ldb;
     if (b_col == 1 && last_row + nt * NR <= b_readable) {
         /* b read in place. Tiles in blocks of MB rows: a block's rows of a stay in cache while every
            column panel passes */
-        const int64_t per = mt * nt, tiles = batch * per, mb = MB / MR;
+        const int64_t per = mt * nt, tiles = batch * per, mb = MB / MT;
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t g = t / per, r = t % per;
             const int64_t blk = r / (mb * nt), rb = r % (mb * nt);
             const int64_t in_blk = mt - blk * mb < mb ? mt - blk * mb : mb;
             const int64_t ni = rb / in_blk, mi = blk * mb + rb % in_blk;
-            const int64_t m0 = mi * MR, n0 = ni * NR;
+            const int64_t m0 = mi * MT, n0 = ni * NR;
             const float *at = a + g * a_batch + m0 * lda, *bt = b + g * b_batch + n0;
             float *ct = c + g * M * N + m0 * N + n0;
             tile_rows(at, lda, bt, ldb, ct, N, K, M - m0, N - n0 < NR ? N - n0 : NR);
@@ -173,7 +218,7 @@ int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t 
             const float *bg = b + g * b_batch + n0 * b_col;
             for (int64_t k = 0; k < K; ++k)
                 for (int64_t j = 0; j < NR; ++j) panel[k * NR + j] = j < nr ? bg[k * ldb + j * b_col] : 0.0f;
-            for (int64_t m0 = 0; m0 < M; m0 += MR)
+            for (int64_t m0 = 0; m0 < M; m0 += MT)
                 tile_rows(a + g * a_batch + m0 * lda, lda, panel, NR, c + g * M * N + m0 * N + n0, N, K, M - m0, nr);
         }
         free(panel);
@@ -192,8 +237,11 @@ _failure: str | None = None  # why the compiled kernel is unavailable here, once
 
 def _flags() -> list[str]:
     # the bits do not depend on these (module docstring); they only let the compiler use FMA3 and
-    # 256-bit vectors where ATen reports at least AVX2 (every x86-64 machine this project targets)
-    isa = ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+    # 256-bit vectors where ATen reports at least AVX2 (every x86-64 machine this project targets), and
+    # 512-bit ones where it reports AVX-512 (ATEN_CPU_CAPABILITY=avx2 builds the AVX2 kernel there)
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    isa += ["-mavx512f"] if capability == "AVX512" else []
     return ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared", *isa]
 
 

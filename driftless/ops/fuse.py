@@ -14,6 +14,11 @@ execution, on any CPU, because of what is and is not in the generated code:
 - vector width (scalar, AVX2, AVX-512: inductor follows ``ATEN_CPU_CAPABILITY``) cannot change
   a correctly rounded elementwise result, and the only reductions are ``amax`` (exact) and sums
   of integer codes below 2^53 (exact in any order), so neither can blocking or threading;
+- the thread count is read when a kernel runs, not compiled in (``cpp.dynamic_threads``): the only
+  reductions are exact in any split, so one library serves every thread count, and a process at 2
+  threads (the demo's warm start) compiles what processes at 1 thread (its runs) then load from
+  inductor's cache (without it each thread count compiled every graph again: 19 graphs, about a
+  minute a process on a 2-core EPYC);
 - the GEMMs stay outside the generated code: the fixed-order GEMM (``ops.fixed_mm``) is one opaque
   custom op in the graph, the same C kernel as eager;
 - the compiler's ``-fno-signed-zeros`` may change the sign of a zero, never a nonzero value: no
@@ -38,8 +43,10 @@ from driftless.ops.dispatch import active as reproducible_active
 from driftless.ops.dispatch import suspended
 
 ENV = "DRIFTLESS_FUSED_ALIGNED"
-# forced whatever the environment asks of inductor: these two are what the bits rest on
-INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
+# forced whatever the environment asks of inductor: the first two are what the bits rest on; the third lets one
+# compiled library serve every thread count
+INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False,
+                    "cpp.dynamic_threads": True}
 
 RECOMPILE_LIMIT = 64  # dynamo's per-function limit is raised to this (never lowered) when fusing
 
