@@ -414,6 +414,26 @@ def test_selftest_catches_a_non_invariant_kernel(monkeypatch):
         TinyLM(SMALL, execution="aligned")
 
 
+def test_the_selftest_runs_the_eager_definitions_and_restores_the_choice(monkeypatch):
+    # compiling the self-test's own shapes cost every aligned process 18-71 s; the compiled pieces equal the eager
+    # ones by construction (tests/test_fuse.py)
+    import driftless.models.selftest as st
+    from driftless.ops import fuse
+
+    seen = []
+    monkeypatch.setattr(st, "_CACHE", {})
+    monkeypatch.setattr(st, "invariance_failures", lambda config, cls: seen.append(fuse.fused_enabled()) or [])
+    for choice in (True, None):
+        fuse.set_fused(choice)
+        try:
+            st._CACHE.clear()
+            ensure_aligned(SMALL, TinyLM)
+            assert fuse._choice is choice  # restored
+        finally:
+            fuse.set_fused(None)
+    assert seen == [False, False]
+
+
 def test_save_load_roundtrip(tmp_path):
     model = make_model("aligned")
     save_model(model, tmp_path / "m.safetensors", version=3)

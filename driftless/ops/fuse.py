@@ -33,6 +33,7 @@ fails) falls back to eager with a one-line warning: the same bits, only slower.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -72,6 +73,18 @@ def set_fused(enabled: bool | None) -> None:
     if enabled is not None and not isinstance(enabled, bool):
         raise ValueError(f"set_fused takes True, False or None, got {enabled!r}")
     _choice = enabled
+
+
+@contextlib.contextmanager
+def unfused():
+    """Run the eager definitions inside the block (the same bits: see the module docstring), whatever the choice."""
+    global _choice
+    saved = _choice
+    _choice = False
+    try:
+        yield
+    finally:
+        _choice = saved
 
 
 def fusion_failure() -> str | None:
