@@ -106,25 +106,29 @@ def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_se
     # the AVX-512 build (12-row tiles of 16-lane vectors), the AVX2 one (6-row tiles of two 8-lane vectors, plain C
     # for the rest), the plain-C one (ATEN_CPU_CAPABILITY=default), as far as this CPU runs them: each row count 1-30 (full tiles and every remainder), a transposed b
     # (the panel path) too; compared with this process's kernel and with the reference
-    cases = [_operands(seed, m, 37, 45, 3.0) for seed, m in enumerate(range(1, 31))]
+    # b three ways: in the kernel's layout (read in place, tiles in blocks of 60 rows: m up to 130), tight (its last
+    # row not readable to 48 columns: copied panel by panel) and transposed (strided: panels)
+    ms = [*range(1, 31), 59, 61, 72, 130]
+    cases = [_operands(seed, m, 37, 45, 3.0) for seed, m in enumerate(ms)]
     torch.save(cases, tmp_path / "cases.pt")
     script = (
         "import torch\n"
         "from driftless.ops import fixed_mm\n"
+        "assert fixed_mm._native() is not None\n"
         f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
-        "out = [fixed_mm.fixed_order_mm(a, b) for a, b in cases]\n"
-        "out += [fixed_mm.fixed_order_mm(a, b.t().contiguous().t()) for a, b in cases]\n"
-        "assert fixed_mm.kernel_failure() is None\n"
+        "out = [[fixed_mm.fixed_order_mm(a, fixed_mm.gemm_layout(b)), fixed_mm.fixed_order_mm(a, b),\n"
+        "        fixed_mm.fixed_order_mm(a, b.t().contiguous().t())] for a, b in cases]\n"
         f"torch.save((out, fixed_mm._flags()), {str(tmp_path / 'out.pt')!r})\n"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": kernel_set, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop(fixed_mm.ENV, None)
     subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     out, flags = torch.load(tmp_path / "out.pt")
     assert ("-mavx512f" in flags) == (kernel_set == "avx512")  # the build this kernel set asks for
-    for (a, b), c, c_panel in zip(cases, out[:30], out[30:]):
-        assert torch.equal(c, fixed_order_mm(a, b))
-        assert torch.equal(c_panel, c)
-        assert torch.equal(c, fixed_order_mm_reference(a, b))
+    for (a, b), (c_layout, c_tight, c_strided) in zip(cases, out, strict=True):
+        c = fixed_order_mm_reference(a, b)
+        assert torch.equal(c_layout, c) and torch.equal(c_tight, c) and torch.equal(c_strided, c)
+        assert torch.equal(fixed_order_mm(a, fixed_mm.gemm_layout(b)), c)
 
 
 def test_the_reference_can_be_chosen_and_a_bad_choice_is_refused_by_name(monkeypatch):

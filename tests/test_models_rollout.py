@@ -422,16 +422,17 @@ def test_the_selftest_runs_the_eager_definitions_and_restores_the_choice(monkeyp
 
     seen = []
     monkeypatch.setattr(st, "_CACHE", {})
-    monkeypatch.setattr(st, "invariance_failures", lambda config, cls: seen.append(fuse.fused_enabled()) or [])
+    monkeypatch.setattr(st, "invariance_failures",
+                        lambda config, cls: seen.append((fuse.fused_enabled(), fuse._local.off)) or [])
     for choice in (True, None):
         fuse.set_fused(choice)
         try:
             st._CACHE.clear()
             ensure_aligned(SMALL, TinyLM)
-            assert fuse._choice is choice  # restored
+            assert fuse._choice is choice and not fuse._local.off  # restored
         finally:
             fuse.set_fused(None)
-    assert seen == [False, False]
+    assert seen == [(False, True), (False, True)]
 
 
 def test_save_load_roundtrip(tmp_path):

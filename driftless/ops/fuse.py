@@ -25,7 +25,8 @@ execution, on any CPU, because of what is and is not in the generated code:
   aligned piece divides by, or takes the logarithm of, a quantity that can be zero.
 
 ``tests/test_fuse.py`` checks compiled against eager with ``torch.equal`` (and through the
-cross-process check, across the kernel sets this CPU runs). Switch: ``DRIFTLESS_FUSED_ALIGNED=0``
+cross-process check, across the kernel sets this CPU runs); at run time each piece's first compiled
+call is compared with its eager definition, and a difference means eager from then on, warned once. Switch: ``DRIFTLESS_FUSED_ALIGNED=0``
 (or ``set_fused(False)``) runs the eager definitions. A compile that cannot build here (no C++
 compiler, an unsupported platform, ``ATEN_CPU_CAPABILITY=default``, for which inductor's build
 fails) falls back to eager with a one-line warning: the same bits, only slower.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import warnings
 
 import torch
@@ -53,11 +55,12 @@ RECOMPILE_LIMIT = 64  # dynamo's per-function limit is raised to this (never low
 
 _choice: bool | None = None  # set_fused(); None: the environment decides
 _broken: str | None = None  # why compiling failed here, once it has
+_local = threading.local()  # unfused(): this thread's override
 
 
 def fused_enabled() -> bool:
     """Whether aligned pieces run compiled (``set_fused``, else ``DRIFTLESS_FUSED_ALIGNED``, default on)."""
-    if _broken is not None:
+    if _broken is not None or getattr(_local, "off", False):
         return False
     if _choice is not None:
         return _choice
@@ -77,14 +80,14 @@ def set_fused(enabled: bool | None) -> None:
 
 @contextlib.contextmanager
 def unfused():
-    """Run the eager definitions inside the block (the same bits: see the module docstring), whatever the choice."""
-    global _choice
-    saved = _choice
-    _choice = False
+    """Run the eager definitions in this thread inside the block (the same bits: see the module docstring), whatever
+    the choice; other threads keep theirs."""
+    saved = getattr(_local, "off", False)
+    _local.off = True
     try:
         yield
     finally:
-        _choice = saved
+        _local.off = saved
 
 
 def fusion_failure() -> str | None:
@@ -125,14 +128,31 @@ def _give_up(reason: str) -> None:
                   f"path (the same bits, slower)", RuntimeWarning, stacklevel=3)
 
 
+def _same(a, b) -> bool:
+    """``torch.equal`` through tuples and lists, NaNs in the same places counting as equal."""
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():
+            nan = a.isnan()
+            return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+        return torch.equal(a, b)
+    return a == b
+
+
 def fused(fn):
     """``fn`` compiled by inductor when fusion is on, ``fn`` itself otherwise (``.eager`` is always ``fn``).
 
-    Calls that need a gradient run eager (the compiled graph is built for values only). If the
+    Calls that need a gradient run eager (the compiled graph is built for values only). The first
+    compiled call is run eager too and compared (``torch.equal``): a difference gives up compiling here
+    (warned once) and returns the definition's result. If the
     compiled call raises and the eager one does not, compiling is broken here: warn once, run eager
     from then on. If eager raises too, the inputs are at fault and its error propagates.
     """
     compiled = None
+    checked = False
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -142,7 +162,7 @@ def fused(fn):
         return _call(*args, **kwargs)
 
     def _call(*args, **kwargs):
-        nonlocal compiled
+        nonlocal compiled, checked
         if not fused_enabled() or torch.compiler.is_compiling() or _needs_grad(args, kwargs):
             return fn(*args, **kwargs)
         if compiled is None and os.environ.get("ATEN_CPU_CAPABILITY") == "default":
@@ -159,13 +179,20 @@ def fused(fn):
             setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
             compiled = torch.compile(fn, dynamic=True, options=INDUCTOR_OPTIONS)
         try:
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - decided below by running the definition itself
             out = fn(*args, **kwargs)
             cause = getattr(err, "inner_exception", None) or err  # inductor wraps the compiler's error
             first = (str(cause).strip().splitlines() or [""])[0][:200]
             _give_up(f"{type(cause).__name__}: {first}")
             return out
+        if not checked:  # the first compiled call is compared with the definition, here, with this compiler
+            checked = True
+            eager = fn(*args, **kwargs)  # the in-place cache writes repeat the same values: idempotent
+            if not _same(out, eager):
+                _give_up(f"{fn.__name__}: its compiled output differs from its eager definition on this machine")
+                return eager
+        return out
 
     call.eager = fn
     return call
