@@ -9,11 +9,12 @@ token-by-token decode vs one full forward. A failure names the first operation (
 shape) whose output differed and refuses aligned mode. Results are cached per (configuration,
 thread count).
 
-The checks run the eager definitions of the aligned pieces (``ops.fuse.unfused``): the compiled ones
-equal them by construction (``ops.fuse``; ``tests/test_fuse.py`` compares the two with ``torch.equal``,
-across kernel sets too), and compiling the self-test's own shapes (five lengths, ten decode positions)
-cost 71 s on a cold inductor cache and 18 s on a warm one in every process that starts aligned, against
-0.1 s eager (a 2-core EPYC, one thread): most of the demo's start-up.
+The checks run the eager definitions of the aligned pieces (``ops.fuse.unfused``, this thread only):
+compiling the self-test's own shapes (four lengths alone, a padded batch, ten decode positions) cost
+71 s on a cold inductor cache and 18 s on a warm one in every process that turned aligned, against
+0.1 s eager (a 2-core EPYC, one thread): most of the demo's start-up. The compiled pieces equal the
+eager ones by construction; ``ops.fuse`` compares each one's first compiled call with its definition
+where it runs, and ``tests/test_fuse.py`` compares the two on many shapes, across kernel sets too.
 """
 
 from __future__ import annotations

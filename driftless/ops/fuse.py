@@ -26,8 +26,8 @@ execution, on any CPU, because of what is and is not in the generated code:
 
 ``tests/test_fuse.py`` checks compiled against eager with ``torch.equal`` (and through the
 cross-process check, across the kernel sets this CPU runs); at run time each piece's first compiled
-call is compared with its eager definition, and a difference means eager from then on, warned once. Switch: ``DRIFTLESS_FUSED_ALIGNED=0``
-(or ``set_fused(False)``) runs the eager definitions. A compile that cannot build here (no C++
+call is compared with its eager definition, and a difference means eager from then on, warned once.
+Switch: ``DRIFTLESS_FUSED_ALIGNED=0`` (or ``set_fused(False)``) runs the eager definitions. A compile that cannot build here (no C++
 compiler, an unsupported platform, ``ATEN_CPU_CAPABILITY=default``, for which inductor's build
 fails) falls back to eager with a one-line warning: the same bits, only slower.
 """
