@@ -13,12 +13,10 @@ Per shape: GFLOP/s of ``fixed_order_mm`` (the median of 7 timings of a loop of a
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
-import time
 
 import torch
+from _timing import emit, timed
 
 from driftless.ops.fixed_mm import _flags, fixed_order_mm, gemm_layout
 
@@ -28,14 +26,12 @@ SHAPES = [(5120, 192, 320), (5120, 192, 1024), (5120, 512, 192), (5120, 192, 64)
 
 def rate(fn, m: int, k: int, n: int) -> float:
     reps = max(1, int(2e8 // (m * k * n)))
-    fn()
-    times = []
-    for _ in range(7):
-        t = time.perf_counter()
+
+    def loop():
         for _ in range(reps):
             fn()
-        times.append((time.perf_counter() - t) / reps)
-    return 2 * m * k * n / statistics.median(times) / 1e9
+
+    return 2 * m * k * n * reps / timed(loop, 7) / 1e9
 
 
 def main() -> None:
@@ -51,7 +47,7 @@ def main() -> None:
         out["gflops"][f"{m}x{k}x{n}"] = {
             "fixed_order": round(rate(lambda a=a, b=b: fixed_order_mm(a, b), m, k, n), 1),
             "torch": round(rate(lambda a=a, b=b: a @ b, m, k, n), 1)}
-    print(json.dumps(out, indent=2))
+    emit(out, None)
 
 
 if __name__ == "__main__":
