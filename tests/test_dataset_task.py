@@ -61,6 +61,35 @@ def test_rows_and_columns_come_from_jsonl_json_and_parquet(tmp_path):
         assert got[3].where == f"{tmp_path / name} row 3"
 
 
+def test_jsonl_rows_come_as_written_and_a_bad_line_is_named(tmp_path):
+    """A .jsonl file is read line by line: each row's columns and types as written (no column filled in from other
+    rows, no int widened to float), blank lines skipped, and a line that is not JSON named by line and row."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+2=", "answer": 3}\n\n{"prompt": "1.5+2=", "answer": 3.5, "hint": null}\n')
+    got = read_rows(path, "prompt", required=("answer",))
+    assert [r.columns for r in got] == [{"answer": 3}, {"answer": 3.5, "hint": None}]
+    assert type(got[0].columns["answer"]) is int and got[1].where == f"{path} row 1"
+    path.write_text('{"prompt": "1+2=", "answer": 3}\n\n{"prompt": "2+2=", "answer": 4\n')
+    with pytest.raises(ValueError, match=r"d.jsonl' line 3 \(row 1\) is not JSON"):
+        read_rows(path, "prompt")
+
+
+def test_reading_json_files_and_training_imports_neither_datasets_nor_matplotlib(tmp_path):
+    """The learner's process stays lean: a .jsonl or .json task file is read without Hugging Face datasets (pandas,
+    pyarrow, scipy: about 150 MB resident), and the train command's report module imports matplotlib only to plot."""
+    import subprocess
+    import sys
+
+    write_jsonl(tmp_path / "d.jsonl", sums(3))
+    (tmp_path / "d.json").write_text(json.dumps(sums(3)))
+    code = ("import sys\nfrom driftless.tasks.dataset import read_rows\nimport driftless.train.commands, "
+            "driftless.train.report\n"
+            f"for name in ('d.jsonl', 'd.json'): assert len(read_rows({str(tmp_path)!r} + '/' + name, 'prompt')) == 3\n"
+            "print(sorted(m for m in ('datasets', 'pandas', 'matplotlib', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("content,match", [
     (None, "does not exist"),
     ("", "has no rows"),

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from driftless.objectives import group_advantages, importance_weights, make, reduce_loss, shape_rewards
 from driftless.ops import extract_logprobs, naive_logprobs
+from driftless.ops.logprobs import linear_logprobs
 
 
 # ---------------------------------------------------------------- importance_weights (verl semantics)
@@ -141,6 +142,37 @@ def test_chunked_extraction_equals_naive(b, l, v, k, chunk, seed):
     (g1,) = torch.autograd.grad(out_got, logits)
     (g2,) = torch.autograd.grad(out_ref, logits)
     assert torch.allclose(g1, g2, atol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 11), v=st.integers(2, 30), d=st.integers(1, 6), k=st.integers(0, 4),
+       chunk=st.integers(1, 12), scale=st.sampled_from([1.0, 1 / 0.7]), seed=st.integers(0, 1000))
+def test_the_fused_output_layer_equals_the_full_logits_in_any_number_of_chunks(n, v, d, k, chunk, scale, seed):
+    """``linear_logprobs(hidden, weight)`` (the output layer and the extraction chunk by chunk, the weight's gradient
+    summed over the chunks in place) gives the values and the gradients of hidden and weight of the whole
+    ``scale · hidden @ weight.T`` logits, in one chunk or in several, a partial last one and no rows included."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(k, v)
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64).requires_grad_(True)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64).requires_grad_(True)
+    tokens = torch.randint(0, v, (n,), generator=g)
+    head = torch.argsort(torch.rand(n, v, generator=g), -1)[:, :k] if k else None
+    got = linear_logprobs(hidden, weight, tokens, head, scale=scale, chunk_rows=chunk)
+    ref = naive_logprobs((hidden @ weight.t() * scale)[None], tokens[None], None if head is None else head[None])
+    w1, w3 = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    outs = []
+    for view, logp, entropy in ((got, got.logp, got.entropy), (ref, ref.logp[0], ref.entropy[0])):
+        out = (logp * w1).sum() + (entropy * w3).sum()
+        if k:
+            out = out + (view.head_logp.reshape(n, k) * torch.arange(1.0, k + 1, dtype=torch.float64)).sum()
+        outs.append(out)
+    assert torch.allclose(got.logp, ref.logp[0], atol=1e-12) and torch.allclose(got.entropy, ref.entropy[0], atol=1e-12)
+    if k:
+        assert torch.allclose(got.head_logp, ref.head_logp[0], atol=1e-12)
+    grads = [torch.autograd.grad(out, (hidden, weight), allow_unused=True) for out in outs]
+    for a, b in zip(*grads):
+        b = torch.zeros_like(a) if b is None else b  # no rows: the reference's graph never reads them
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-10)
 
 
 def test_extraction_bad_input():

@@ -197,7 +197,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_head = grad_head.to(cdtype) if k and grad_head is not None else None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        grad_weight = None  # [V, D]: the first chunk's product, later chunks added in place (addmm_, no temporary)
         w = weight.to(ctx.mm_dtype)
         for start in range(0, n, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, n)
@@ -217,7 +217,14 @@ class _LinearLogprobs(torch.autograd.Function):
             if need_h:
                 grad_hidden[start:stop] = (g @ w).to(hidden.dtype)
             if need_w:
-                grad_weight.add_((g.t() @ h).to(cdtype))
+                if grad_weight is None:
+                    grad_weight = (g.t() @ h).to(cdtype)
+                elif g.dtype == cdtype:
+                    grad_weight.addmm_(g.t(), h)
+                else:  # products in autocast's dtype, summed in fp32
+                    grad_weight.add_((g.t() @ h).to(cdtype))
+        if need_w and grad_weight is None:  # no rows
+            grad_weight = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
 
 

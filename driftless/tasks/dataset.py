@@ -2,7 +2,7 @@
 
     task:
       name: dataset
-      path: data/train.jsonl        # JSONL, JSON (a list of objects) or Parquet, read with Hugging Face datasets
+      path: data/train.jsonl        # JSONL, JSON (a list of objects) or Parquet (read with Hugging Face datasets)
       eval_path: data/eval.jsonl    # or eval_fraction: a deterministic hash split of path
       prompt_key: prompt            # a string or a list of {role, content} messages
       answer_key: answer            # optional; what exact / math compare with
@@ -66,8 +66,10 @@ def read_rows(path: str | Path, prompt_key: str, *, required: tuple[str, ...] = 
         raise ValueError(f"task data file {str(path)!r}: unknown format {path.suffix!r}; use .jsonl, .json or .parquet")
     if path.stat().st_size == 0:
         raise ValueError(f"task data file {str(path)!r} has no rows")
-    if fmt == "json" and path.suffix.lower() == ".json":
+    if path.suffix.lower() == ".json":
         records = _json_records(path)
+    elif path.suffix.lower() == ".jsonl":
+        records = _jsonl_records(path)
     else:
         try:
             from datasets import load_dataset
@@ -96,6 +98,23 @@ def read_rows(path: str | Path, prompt_key: str, *, required: tuple[str, ...] = 
         columns = {k: v for k, v in record.items() if k != prompt_key}
         rows.append(Row(prompt, columns, str(path), i, completion_key))
     return rows
+
+
+def _jsonl_records(path: Path) -> list:
+    """A .jsonl file: one JSON value a line (blank lines skipped), each row as written: no columns filled in or
+    types unified across rows (what a table loader such as ``datasets`` does), and without importing ``datasets``
+    with its pandas, pyarrow and scipy (about 150 MB resident in the learner's process)."""
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"task data file {str(path)!r} line {number} (row {len(records)}) is not "
+                                 f"JSON: {err}") from None
+    return records
 
 
 def _json_records(path: Path) -> list:

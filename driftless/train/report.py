@@ -8,11 +8,6 @@ import math
 import statistics
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from driftless.train import sinks
 
 PALETTE_COLORS = 128  # a line plot's colours, its shaded bands and their anti-aliased edges
@@ -86,7 +81,19 @@ def summarize(run_dir) -> dict:
     }
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, imported when a plot is drawn: a training process that has not
+    plotted yet holds none of matplotlib (about 25 MB resident)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_run(run_dir) -> list[Path]:
+    plt = pyplot()
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     out = run_dir / "plots"
