@@ -62,15 +62,23 @@ def test_rows_and_columns_come_from_jsonl_json_and_parquet(tmp_path):
 
 
 def test_jsonl_rows_come_as_written_and_a_bad_line_is_named(tmp_path):
-    """A .jsonl file is read line by line: each row's columns and types as written (no column filled in from other
-    rows, no int widened to float), blank lines skipped, and a line that is not JSON named by line and row."""
+    """A .jsonl file is read line by line: each value as written (no int widened to float because another row has
+    a float), every row given every column of the file (None where it has none, as a table has: a reward's keyword
+    arguments do not depend on which row comes first), blank lines skipped, a byte-order mark and a JSON list under
+    the .jsonl name accepted, and a line that is not JSON named by line and row."""
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "1+2=", "answer": 3}\n\n{"prompt": "1.5+2=", "answer": 3.5, "hint": null}\n')
+    path.write_text('\ufeff{"prompt": "1+2=", "answer": 3}\n\n{"prompt": "1.5+2=", "answer": 3.5, "hint": "h"}\n',
+                    encoding="utf-8")
     got = read_rows(path, "prompt", required=("answer",))
-    assert [r.columns for r in got] == [{"answer": 3}, {"answer": 3.5, "hint": None}]
+    assert [r.columns for r in got] == [{"answer": 3, "hint": None}, {"answer": 3.5, "hint": "h"}]
     assert type(got[0].columns["answer"]) is int and got[1].where == f"{path} row 1"
+    path.write_text(json.dumps(sums(3), indent=1))  # a JSON document, pretty-printed, under a .jsonl name
+    assert [r.columns["answer"] for r in read_rows(path, "prompt")] == ["1", "3", "5"]
     path.write_text('{"prompt": "1+2=", "answer": 3}\n\n{"prompt": "2+2=", "answer": 4\n')
     with pytest.raises(ValueError, match=r"d.jsonl' line 3 \(row 1\) is not JSON"):
+        read_rows(path, "prompt")
+    path.write_text('{"prompt": "1+2=", "answer": 3\n{"prompt": "2+2=", "answer": 4}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl' line 1 \(row 0\) is not JSON"):
         read_rows(path, "prompt")
 
 

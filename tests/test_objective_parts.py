@@ -175,6 +175,46 @@ def test_the_fused_output_layer_equals_the_full_logits_in_any_number_of_chunks(n
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-10)
 
 
+def test_the_fused_output_layers_backward_makes_one_vocabulary_sized_tensor_whatever_the_chunks():
+    """Memory: the weight's gradient ``[V, D]`` is the only vocabulary-by-width tensor the backward makes (the first
+    chunk's product; later chunks add into it in place), not a zero buffer plus a product per chunk; and under
+    bf16 autocast (products in bf16, sums in fp32) the values stay those of the full logits to bf16's precision."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    v, d, n = 50, 8, 30
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=g).requires_grad_(True)
+    weight = torch.randn(v, d, generator=g).requires_grad_(True)
+    tokens = torch.randint(0, v, (n,), generator=g)
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.storages = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (v, d):
+                self.storages.add(out.untyped_storage().data_ptr())  # views (detach) share their base's
+            return out
+
+    out = linear_logprobs(hidden, weight, tokens, chunk_rows=7)  # 5 chunks
+    made = Made()
+    with made:
+        out.logp.sum().backward()
+    assert len(made.storages) == 1
+    ref = naive_logprobs((hidden @ weight.t())[None].double(), tokens[None])
+    want = torch.autograd.grad(ref.logp.sum(), weight)[0].double()
+    assert torch.allclose(weight.grad.double(), want, atol=1e-5)
+    weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = linear_logprobs(hidden, weight, tokens, chunk_rows=7)
+    low.logp.sum().backward()
+    assert weight.grad.dtype == torch.float32
+    assert torch.allclose(low.logp.double(), ref.logp[0], atol=0.1)
+    assert torch.allclose(weight.grad.double(), want, atol=0.05 * float(want.abs().max()))
+
+
 def test_extraction_bad_input():
     logits = torch.randn(1, 2, 5)
     with pytest.raises(ValueError, match="outside the vocabulary"):

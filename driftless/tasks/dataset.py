@@ -82,7 +82,9 @@ def read_rows(path: str | Path, prompt_key: str, *, required: tuple[str, ...] = 
         records = records.to_list()
     if not records:
         raise ValueError(f"task data file {str(path)!r} has no rows")
-    rows = []
+    names = dict.fromkeys(k for record in records if isinstance(record, dict) for k in record)
+    records = [{k: record.get(k) for k in names} if isinstance(record, dict) else record for record in records]
+    rows = []  # (every row has every column of the file, None where it has none: a table's columns, as a reward sees them)
     for i, record in enumerate(records):
         where = f"{path} row {i}"
         if not isinstance(record, dict):
@@ -101,17 +103,22 @@ def read_rows(path: str | Path, prompt_key: str, *, required: tuple[str, ...] = 
 
 
 def _jsonl_records(path: Path) -> list:
-    """A .jsonl file: one JSON value a line (blank lines skipped), each row as written: no columns filled in or
-    types unified across rows (what a table loader such as ``datasets`` does), and without importing ``datasets``
-    with its pandas, pyarrow and scipy (about 150 MB resident in the learner's process)."""
+    """A .jsonl file: one JSON value a line (blank lines skipped; a whole-file JSON list accepted too), each value
+    as written (no types unified across rows, as a table loader such as ``datasets`` does), read without importing
+    ``datasets`` with its pandas, pyarrow and scipy (about 150 MB resident in the learner's process)."""
     records = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
+                if not records:  # a JSON document (a list of objects) under a .jsonl name
+                    try:
+                        return _json_records(path)
+                    except ValueError:
+                        pass
                 raise ValueError(f"task data file {str(path)!r} line {number} (row {len(records)}) is not "
                                  f"JSON: {err}") from None
     return records
@@ -119,7 +126,7 @@ def _jsonl_records(path: Path) -> list:
 
 def _json_records(path: Path) -> list:
     """A .json file: a list of objects (or JSON Lines under a .json name)."""
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError:

@@ -82,11 +82,15 @@ def summarize(run_dir) -> dict:
 
 
 def pyplot():
-    """matplotlib's pyplot on the Agg backend, imported when a plot is drawn: a training process that has not
-    plotted yet holds none of matplotlib (about 25 MB resident)."""
+    """matplotlib's pyplot, imported when a plot is drawn (a training process that has not plotted yet holds none of
+    matplotlib: about 25 MB resident), on the Agg backend unless the caller imported pyplot with a backend of its
+    own (a notebook's is kept)."""
+    import sys
+
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
