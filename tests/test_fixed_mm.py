@@ -107,7 +107,8 @@ def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_se
     # for the rest), the plain-C one (ATEN_CPU_CAPABILITY=default), as far as this CPU runs them: each row count 1-30 (full tiles and every remainder), a transposed b
     # (the panel path) too; compared with this process's kernel and with the reference
     # b three ways: in the kernel's layout (read in place, tiles in blocks of 60 rows: m up to 130), tight (its last
-    # row not readable to 48 columns: copied panel by panel) and transposed (strided: panels)
+    # row not readable to 48 columns: copied panel by panel) and transposed (strided: panels); and a transposed a
+    # (a weight gradient's g.t(): made row-major first) with b in place and strided
     ms = [*range(1, 31), 59, 61, 72, 130]
     cases = [_operands(seed, m, 37, 45, 3.0) for seed, m in enumerate(ms)]
     torch.save(cases, tmp_path / "cases.pt")
@@ -117,7 +118,9 @@ def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_se
         "assert fixed_mm._native() is not None\n"
         f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
         "out = [[fixed_mm.fixed_order_mm(a, fixed_mm.gemm_layout(b)), fixed_mm.fixed_order_mm(a, b),\n"
-        "        fixed_mm.fixed_order_mm(a, b.t().contiguous().t())] for a, b in cases]\n"
+        "        fixed_mm.fixed_order_mm(a, b.t().contiguous().t()),\n"
+        "        fixed_mm.fixed_order_mm(a.t().contiguous().t(), fixed_mm.gemm_layout(b)),\n"
+        "        fixed_mm.fixed_order_mm(a.t().contiguous().t(), b.t().contiguous().t())] for a, b in cases]\n"
         f"torch.save((out, fixed_mm._flags()), {str(tmp_path / 'out.pt')!r})\n"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": kernel_set, "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -125,9 +128,10 @@ def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_se
     subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     out, flags = torch.load(tmp_path / "out.pt")
     assert ("-mavx512f" in flags) == (kernel_set == "avx512")  # the build this kernel set asks for
-    for (a, b), (c_layout, c_tight, c_strided) in zip(cases, out, strict=True):
+    for (a, b), (c_layout, c_tight, c_strided, c_at, c_at_strided) in zip(cases, out, strict=True):
         c = fixed_order_mm_reference(a, b)
         assert torch.equal(c_layout, c) and torch.equal(c_tight, c) and torch.equal(c_strided, c)
+        assert torch.equal(c_at, c) and torch.equal(c_at_strided, c)  # a transposed a (a weight gradient's g.t())
         assert torch.equal(fixed_order_mm(a, fixed_mm.gemm_layout(b)), c)
 
 

@@ -312,7 +312,7 @@ class _AlignedLinear(torch.autograd.Function):
         g = _rows_of(grad.float())
         grad_x = fixed_order_mm(g, weight.detach()).reshape(*grad.shape[:-1], weight.shape[1]) \
             if ctx.needs_input_grad[0] else None
-        grad_w = fixed_order_mm(g.t().contiguous(), _rows_of(x.detach())) if ctx.needs_input_grad[1] else None
+        grad_w = fixed_order_mm(g.t(), _rows_of(x.detach())) if ctx.needs_input_grad[1] else None  # (rows_of in C)
         return grad_x, grad_w, None
 
 

@@ -175,12 +175,85 @@ static inline void tile_rows(const float *a, int64_t lda, const float *b, int64_
 }
 #endif
 
-/* c[g] = a[g] @ b[g] for g < batch; a's rows have unit stride, b is read through its strides
-   (b_col between columns), b_readable floats from b's start exist. Returns 0, or 1 if a panel
-   buffer could not be allocated (c is then incomplete). */
+#if defined(__AVX2__) && defined(__FMA__)
+/* d[j * ldd + i] = s[i * lds + j] for an 8 x 8 block, in registers */
+static inline void transpose8(const float *s, int64_t lds, float *d, int64_t ldd) {
+    const __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + lds), r2 = _mm256_loadu_ps(s + 2 * lds),
+                 r3 = _mm256_loadu_ps(s + 3 * lds), r4 = _mm256_loadu_ps(s + 4 * lds), r5 = _mm256_loadu_ps(s + 5 * lds),
+                 r6 = _mm256_loadu_ps(s + 6 * lds), r7 = _mm256_loadu_ps(s + 7 * lds);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+                 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#endif
+
+#define TB 64
+/* rows[i * K + k] = a[i * lda + k * a_col] for rows i0 .. i1-1: a transposed a (lda = 1) made row-major, in TB x TB
+   blocks of 8 x 8 register transposes (a plain strided copy, torch's included, runs several times slower: each
+   element of a row of the result comes from another row of the source, a page apart) */
+static void rows_of(const float *a, int64_t lda, int64_t a_col, float *rows, int64_t K, int64_t i0, int64_t i1) {
+    for (int64_t k0 = 0; k0 < K; k0 += TB) {
+        const int64_t k1 = k0 + TB < K ? k0 + TB : K;
+        for (int64_t b0 = i0; b0 < i1; b0 += TB) {
+            const int64_t b1 = b0 + TB < i1 ? b0 + TB : i1;
+            int64_t k = k0;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (lda == 1)
+                for (; k + 8 <= k1; k += 8) {
+                    int64_t i = b0;
+                    for (; i + 8 <= b1; i += 8) transpose8(a + k * a_col + i, a_col, rows + i * K + k, K);
+                    for (; i < b1; ++i)
+                        for (int64_t q = k; q < k + 8; ++q) rows[i * K + q] = a[i + q * a_col];
+                }
+#endif
+            for (; k < k1; ++k)
+                for (int64_t i = b0; i < b1; ++i) rows[i * K + k] = a[i * lda + k * a_col];
+        }
+    }
+}
+
+static int fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K, int64_t N,
+                           int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb, int64_t b_col,
+                           int64_t b_readable, int threads);
+
+/* c[g] = a[g] @ b[g] for g < batch; a is read through its strides (lda between rows, a_col between columns: an a
+   whose columns are not adjacent, e.g. a weight gradient's g.t(), is first made row-major by rows_of), b through
+   its strides (b_col between columns), b_readable floats from b's start exist. Returns 0, or 1 if a buffer could
+   not be allocated (c is then incomplete). */
 int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
-                              int64_t N, int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb,
+                              int64_t N, int64_t a_batch, int64_t lda, int64_t a_col, int64_t b_batch, int64_t ldb,
                               int64_t b_col, int64_t b_readable, int threads) {
+    if (a_col == 1 || K == 1)
+        return fixed_order_bmm(a, b, c, batch, M, K, N, a_batch, lda, b_batch, ldb, b_col, b_readable, threads);
+    float *rows = (float *)malloc((size_t)(batch * M * K) * sizeof(float));
+    if (rows == NULL) return 1;
+    const int64_t mb = (M + TB - 1) / TB;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < batch * mb; ++t) {
+        const int64_t g = t / mb, i0 = (t % mb) * TB;
+        rows_of(a + g * a_batch, lda, a_col, rows + g * M * K, K, i0, i0 + TB < M ? i0 + TB : M);
+    }
+    const int failed = fixed_order_bmm(rows, b, c, batch, M, K, N, M * K, K, b_batch, ldb, b_col, b_readable,
+                                       threads);
+    free(rows);
+    return failed;
+}
+
+static int fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K, int64_t N,
+                           int64_t a_batch, int64_t lda, int64_t b_batch, int64_t ldb, int64_t b_col,
+                           int64_t b_readable, int threads) {
     const int64_t mt = (M + MT - 1) / MT, nt = (N + NR - 1) / NR;
     const int64_t last_row = (batch - 1) * b_batch + (K - 1) * ldb;
     if (b_col == 1 && last_row + nt * NR <= b_readable) {
@@ -274,7 +347,7 @@ def _build() -> ctypes.CDLL:
             os.replace(out, path)  # atomic: a concurrent build of the same source writes the same file
     lib = ctypes.CDLL(path)
     fn = lib.driftless_fixed_order_bmm
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11 + [ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
@@ -371,15 +444,15 @@ def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if g and m and n and not k:
         c.zero_()  # a chain of no steps: its starting +0
     elif g and m and n:
-        if a.stride(-1) != 1 and k > 1:
-            a = a.contiguous()
+        if a.stride(-1) != 1 and a.stride(-2) != 1 and k > 1 and m > 1:
+            a = a.contiguous()  # neither rows nor columns adjacent; a transposed a is made row-major inside (rows_of)
         a_batch = a.stride(0) if a.dim() == 3 else 0
         b_batch = b.stride(0) if b.dim() == 3 else 0
         readable = b.untyped_storage().nbytes() // 4 - b.storage_offset()  # floats from b's first
         threads = torch.get_num_threads() if g * m * n * k >= _PARALLEL_MIN_FMAS else 1
         if lib.driftless_fixed_order_bmm(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, m, k, n, a_batch, a.stride(-2),
-                                         b_batch, b.stride(-2), b.stride(-1), readable, threads):
-            raise MemoryError(f"fixed_order_bmm: no memory for a {k} x {_NR} panel of b")
+                                         a.stride(-1), b_batch, b.stride(-2), b.stride(-1), readable, threads):
+            raise MemoryError(f"fixed_order_bmm: no memory for a {k} x {_NR} panel of b or a row-major copy of a")
     return c
 
 
