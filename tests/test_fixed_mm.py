@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from driftless.ops import fixed_mm
 from driftless.ops.cpu import runnable_kernel_sets
-from driftless.ops.fixed_mm import fixed_order_mm, fixed_order_mm_reference
+from driftless.ops.fixed_mm import fixed_order_bmm, fixed_order_mm, fixed_order_mm_reference
 
 
 def _operands(seed: int, m: int, k: int, n: int, spread: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +133,22 @@ def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_se
         assert torch.equal(c_layout, c) and torch.equal(c_tight, c) and torch.equal(c_strided, c)
         assert torch.equal(c_at, c) and torch.equal(c_at_strided, c)  # a transposed a (a weight gradient's g.t())
         assert torch.equal(fixed_order_mm(a, fixed_mm.gemm_layout(b)), c)
+
+
+@pytest.mark.parametrize("m,k", [(70, 200), (64, 128), (9, 130), (130, 9), (1, 70)])
+def test_a_transposed_a_gives_the_bits_of_its_row_major_copy(m, k):
+    """A weight gradient's ``g.t()`` (columns adjacent) is made row-major inside the kernel library, 8 x 8 register
+    transposes in 64 x 64 blocks with scalar edges: several blocks each way, partial blocks, one row; batched too."""
+    a, b = _operands(m + k, m, k, 33, 3.0)
+    wide = torch.zeros(k, m + 3)
+    wide[:, 1:m + 1] = a.t()
+    at = wide[:, 1:m + 1].t()  # rows adjacent, columns m + 3 apart (inside a wider matrix)
+    assert at.stride() == (1, m + 3) and torch.equal(at, a)
+    want = fixed_order_mm_reference(a, b)
+    assert torch.equal(fixed_order_mm(at, b), want)
+    batch = torch.stack([a, 2 * a]).transpose(1, 2).contiguous().transpose(1, 2)
+    got = fixed_order_bmm(batch, torch.stack([b, b]))
+    assert torch.equal(got[0], want) and torch.equal(got[1], fixed_order_mm_reference(2 * a, b))
 
 
 def test_the_reference_can_be_chosen_and_a_bad_choice_is_refused_by_name(monkeypatch):
