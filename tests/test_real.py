@@ -86,10 +86,10 @@ def test_two_steps_of_sc_tis_under_int4_a_checkpoint_and_a_resume(tmp_path):
 
 # bench/vs_trl.py on a 2-core AMD EPYC with AVX-512 (docs/real-model.md): 1.90 GiB at 256 tokens a micro-batch with
 # a 1 MiB mmap threshold (2.02 GiB before datasets left the learner and matplotlib became lazy), against TRL 1.16's
-# GRPOTrainer at 3.94 GiB on the same batch. The bound leaves 0.15 GiB for other CPUs' libraries and allocators: it
-# catches a regression of that size; the smaller ones have their own tests (the imports below and in
-# test_dataset_task.py, the output layer's one [V, D] buffer in test_objective_parts.py)
-LOW_MEMORY_BOUND_GIB = 2.05
+# GRPOTrainer at 3.94 GiB on the same batch. The bound leaves 0.3 GiB for other CPUs' kernels, libraries and
+# allocators (CI runs on other CPU kinds): it catches a regression of that size; the smaller ones have their own
+# tests (the imports below and in test_dataset_task.py, the output layer's one [V, D] buffer in test_objective_parts.py)
+LOW_MEMORY_BOUND_GIB = 2.2
 
 
 def test_the_memory_bounded_setting_trains_the_real_model_in_about_half_trls_memory(tmp_path):
