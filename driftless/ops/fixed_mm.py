@@ -444,8 +444,6 @@ def _run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if g and m and n and not k:
         c.zero_()  # a chain of no steps: its starting +0
     elif g and m and n:
-        if a.stride(-1) != 1 and a.stride(-2) != 1 and k > 1 and m > 1:
-            a = a.contiguous()  # neither rows nor columns adjacent; a transposed a is made row-major inside (rows_of)
         a_batch = a.stride(0) if a.dim() == 3 else 0
         b_batch = b.stride(0) if b.dim() == 3 else 0
         readable = b.untyped_storage().nbytes() // 4 - b.storage_offset()  # floats from b's first
