@@ -10,6 +10,14 @@ random-init TinyLM with a vanishing learning rate, so each step generates compar
 medians over --steps steps after one warm-up step. ``warm_start_s``: a supervised warm start of
 --warm-steps steps (its held-out evaluation on 16 problems included), from scratch (no cache).
 ``step_ratio`` / ``warm_start_ratio``: reproducible over fast (the issue's goal: at most 1.5).
+
+``--profile``: one more step of each mode under torch.profiler, its CPU time split by what the operations serve
+(``profile_s``): each operation's own time goes to the nearest enclosing operation (itself included) of a known
+kind: ``gemm`` (the fixed-order GEMM, the aligned linear layers, torch's mm / addmm / bmm), ``attention``,
+``norms``, ``log_softmax`` (the output layer's log-probabilities), ``optimizer``, ``compiled`` (inductor's graphs'
+own loops), ``dispatch`` (the reproducible mode's Python on every operation, dynamo's guards), else ``other``
+(elementwise operations of the loss, sampling and bookkeeping). Where a reproducible step's extra time goes on a CPU
+kind: compare a category across modes.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -30,16 +39,53 @@ MODES = {"fast": ["model.execution=fast", "train.reproducible=false"],
          "reproducible": ["model.execution=aligned", "train.reproducible=true"]}
 
 
+# (category, pattern of profiler event names): the first that matches an event or its nearest ancestor names it
+CATEGORIES = [
+    ("gemm", re.compile(r"fixed_order|_AlignedLinear|aten::(mm|addmm|bmm|baddbmm|matmul|linear)$")),
+    ("attention", re.compile(r"Attention|scaled_dot_product")),
+    ("norms", re.compile(r"RMSNorm|rms_norm|layer_norm")),
+    ("log_softmax", re.compile(r"LogSoftmax|log_softmax|Logprobs|logsumexp")),
+    ("optimizer", re.compile(r"Optimizer|ExactAdamW|_foreach_")),
+    ("compiled", re.compile(r"CompiledFxGraph|Torch-Compiled Region")),
+    ("dispatch", re.compile(r"PythonDispatchMode|TorchDynamo Cache Lookup|Pregraph bytecode")),
+]
+
+
+def _category(event) -> str:
+    while event is not None:
+        for name, pattern in CATEGORIES:
+            if pattern.search(event.name):
+                return name
+        event = event.cpu_parent
+    return "other"
+
+
+def profile_split(run) -> dict:
+    """Seconds of one ``run.step()``'s CPU time by category (``CATEGORIES``), and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run.step()
+        wall = time.perf_counter() - t0
+    split = dict.fromkeys([name for name, _ in CATEGORIES] + ["other"], 0.0)
+    for event in prof.events():
+        split[_category(event)] += event.self_cpu_time_total / 1e6
+    return {k: round(v, 4) for k, v in split.items()} | {"wall_s_profiled": round(wall, 4)}
+
+
 def step_times(mode: str, args) -> dict:
     from driftless.train import Run, load_config
 
     cfg = load_config(REPO / "configs/demo.yaml", [
         *MODES[mode], "model.warm_start=false", "optim.lr=1e-12", f"rollout.prompts_per_step={args.prompts}",
-        f"train.steps={args.steps + 1}", "train.eval_every=100000", "train.progress=false"])
+        f"train.steps={args.steps + 1 + args.profile}", "train.eval_every=100000", "train.progress=false"])
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(cfg, tmp, progress=False)
         rows = [run.step() for _ in range(args.steps + 1)][1:]
-    return {k: statistics.median(r[k] for r in rows) for k in ("rollout_s", "score_s", "loss_s", "optim_s", "step_time")}
+        profiled = profile_split(run) if args.profile else None
+    times = {k: statistics.median(r[k] for r in rows) for k in ("rollout_s", "score_s", "loss_s", "optim_s", "step_time")}
+    return times | ({"profile_s": profiled} if profiled else {})
 
 
 def warm_start_time(mode: str, args) -> float:
@@ -64,17 +110,27 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--warm-steps", type=int, default=40)  # torch's OneCycleLR needs 5 % of them >= 2 steps
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--profile", action="store_true", help="one more step of each mode under torch.profiler: profile_s")
+    ap.add_argument("--no-warm-start", action="store_true", help="time the steps only")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                    help="the modes to time (the ratios need fast, reproducible and aligned where they name them)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    steps = {mode: step_times(mode, args) for mode in MODES}
-    warm = {mode: warm_start_time(mode, args) for mode in MODES}
+    steps = {mode: step_times(mode, args) for mode in args.modes}
+    warm = {mode: None if args.no_warm_start else warm_start_time(mode, args) for mode in args.modes}
+
+    def ratio(num: float | None, den: float | None) -> float | None:  # None where a mode was not timed
+        return num / den if num and den else None
+
+    step = {mode: times["step_time"] for mode, times in steps.items()}
+
     print(json.dumps({
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
         "prompts": args.prompts, "steps": args.steps, "warm_steps": args.warm_steps,
         "median_seconds": steps, "warm_start_s": warm,
-        "step_ratio": steps["reproducible"]["step_time"] / steps["fast"]["step_time"],
-        "step_ratio_vs_aligned": steps["reproducible"]["step_time"] / steps["aligned"]["step_time"],
-        "warm_start_ratio": warm["reproducible"] / warm["fast"],
+        "step_ratio": ratio(step.get("reproducible"), step.get("fast")),
+        "step_ratio_vs_aligned": ratio(step.get("reproducible"), step.get("aligned")),
+        "warm_start_ratio": ratio(warm.get("reproducible"), warm.get("fast")),
     }, indent=2))
 
 

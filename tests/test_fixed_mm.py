@@ -111,34 +111,46 @@ def test_every_kernel_set_builds_a_kernel_with_the_same_bits(tmp_path, kernel_se
     # (a weight gradient's g.t(): made row-major first) with b in place and strided
     ms = [*range(1, 31), 59, 61, 72, 130]
     cases = [_operands(seed, m, 37, 45, 3.0) for seed, m in enumerate(ms)]
-    torch.save(cases, tmp_path / "cases.pt")
+    # a transposed a over more than one block of k (the blocked path: packed operands, each chain continued block
+    # to block): full and partial tiles, a partial last block, several chunks of row tiles (m = 400)
+    long = [_operands(100 + seed, m, k, 21, 3.0) for seed, (m, k) in enumerate([(1, 300), (12, 513), (13, 257),
+                                                                               (400, 600)])]
+    torch.save((cases, long), tmp_path / "cases.pt")
     script = (
         "import torch\n"
         "from driftless.ops import fixed_mm\n"
         "assert fixed_mm._native() is not None\n"
-        f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
+        f"cases, long = torch.load({str(tmp_path / 'cases.pt')!r})\n"
         "out = [[fixed_mm.fixed_order_mm(a, fixed_mm.gemm_layout(b)), fixed_mm.fixed_order_mm(a, b),\n"
         "        fixed_mm.fixed_order_mm(a, b.t().contiguous().t()),\n"
         "        fixed_mm.fixed_order_mm(a.t().contiguous().t(), fixed_mm.gemm_layout(b)),\n"
         "        fixed_mm.fixed_order_mm(a.t().contiguous().t(), b.t().contiguous().t())] for a, b in cases]\n"
-        f"torch.save((out, fixed_mm._flags()), {str(tmp_path / 'out.pt')!r})\n"
+        "torch.set_num_threads(2)\n"
+        "out_long = [[fixed_mm.fixed_order_mm(a.t().contiguous().t(), b),\n"
+        "             fixed_mm.fixed_order_mm(a.t().contiguous().t(), b.t().contiguous().t())] for a, b in long]\n"
+        f"torch.save((out, out_long, fixed_mm._flags()), {str(tmp_path / 'out.pt')!r})\n"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": kernel_set, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop(fixed_mm.ENV, None)
     subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    out, flags = torch.load(tmp_path / "out.pt")
+    out, out_long, flags = torch.load(tmp_path / "out.pt")
     assert ("-mavx512f" in flags) == (kernel_set == "avx512")  # the build this kernel set asks for
     for (a, b), (c_layout, c_tight, c_strided, c_at, c_at_strided) in zip(cases, out, strict=True):
         c = fixed_order_mm_reference(a, b)
         assert torch.equal(c_layout, c) and torch.equal(c_tight, c) and torch.equal(c_strided, c)
         assert torch.equal(c_at, c) and torch.equal(c_at_strided, c)  # a transposed a (a weight gradient's g.t())
         assert torch.equal(fixed_order_mm(a, fixed_mm.gemm_layout(b)), c)
+    for (a, b), (c_at, c_at_strided) in zip(long, out_long, strict=True):
+        c = fixed_order_mm_reference(a, b)
+        assert torch.equal(c_at, c) and torch.equal(c_at_strided, c)
 
 
-@pytest.mark.parametrize("m,k", [(70, 200), (64, 128), (9, 130), (130, 9), (1, 70)])
+@pytest.mark.parametrize("m,k", [(70, 200), (64, 128), (9, 130), (130, 9), (1, 70), (70, 600), (400, 257)])
 def test_a_transposed_a_gives_the_bits_of_its_row_major_copy(m, k):
     """A weight gradient's ``g.t()`` (columns adjacent) is made row-major inside the kernel library, 8 x 8 register
-    transposes in 64 x 64 blocks with scalar edges: several blocks each way, partial blocks, one row; batched too."""
+    transposes in 64 x 64 blocks with scalar edges: several blocks each way, partial blocks, one row; batched too.
+    Past 256 k steps it is packed block by block instead (the blocked path): k = 600 and 257 (a last block of one
+    step), 400 rows (several chunks of row tiles), one and two threads."""
     a, b = _operands(m + k, m, k, 33, 3.0)
     wide = torch.zeros(k, m + 3)
     wide[:, 1:m + 1] = a.t()
@@ -149,6 +161,13 @@ def test_a_transposed_a_gives_the_bits_of_its_row_major_copy(m, k):
     batch = torch.stack([a, 2 * a]).transpose(1, 2).contiguous().transpose(1, 2)
     got = fixed_order_bmm(batch, torch.stack([b, b]))
     assert torch.equal(got[0], want) and torch.equal(got[1], fixed_order_mm_reference(2 * a, b))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if before == 1 else 1)
+        assert torch.equal(fixed_order_mm(at, b), want)
+        assert torch.equal(fixed_order_mm(at[m // 3:], b), want[m // 3:])  # rows of another chunk and tile split
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_reference_can_be_chosen_and_a_bad_choice_is_refused_by_name(monkeypatch):

@@ -9,7 +9,11 @@ rounded by definition, so the chain has exactly one result; what a machine may v
 
 - the SIMD width (SSE, AVX2, AVX-512) only decides how many *independent outputs* (adjacent ``n``)
   advance together: the reduction over ``k`` is never split, reordered or vectorised;
-- threads own whole tiles of outputs, never a part of a sum, so the thread count cannot matter;
+- threads own whole tiles of outputs, never a part of a sum, so the thread count cannot matter; where
+  ``a``'s columns are not adjacent and the sum is long (a weight gradient's ``g.t()``, summed over the
+  tokens), the chain runs in blocks of 256 steps over packed copies of both operands, each block continuing
+  from the value the previous one stored (a float stored and loaded is the same float), the blocks in k order
+  with a barrier between them: the same chain, with both operands kept in cache;
 - a row's result depends on that row of ``a`` and on ``b`` alone, never on other rows or on the
   batch's shape: a tile of up to 12 rows (AVX-512 intrinsics, where ATen reports AVX-512), a tile of
   6 rows (AVX2 intrinsics where the compiler targets AVX2 and FMA3) and a tile with fewer rows
@@ -199,6 +203,175 @@ static inline void transpose8(const float *s, int64_t lds, float *d, int64_t ldd
 }
 #endif
 
+/* The blocked path's tile (blocked_bmm): rows 0 .. mr-1 of a packed k-major (ap[k * MT + i]) against a packed
+   panel of b (bp[k * NR + j], zero past the last column), kc steps of each output's chain, continued from what the
+   previous block stored in c (the first block: from +0). A float stored and loaded again is the same float, so every
+   output is tile()'s chain, step for step: the same bits. The blocks only keep both operands in cache: a's 12 rows of
+   a block in L1, b's panels in L2 (a long-K product, a weight gradient's, otherwise streams both from L3 at every
+   tile). */
+static inline __attribute__((always_inline)) void ptile(const float *ap, const float *bp, float *c, int64_t ldc,
+                                                        int64_t kc, const int mr, int64_t nr, int first) {
+    float acc[MT][NR];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = first || j >= nr ? 0.0f : c[i * ldc + j];
+    for (int64_t k = 0; k < kc; ++k) {
+        const float *bk = bp + k * NR;
+        _Pragma("GCC unroll 6")
+        for (int i = 0; i < mr; ++i) {
+            const float ai = ap[k * MT + i];
+            _Pragma("GCC unroll 16")
+            for (int j = 0; j < NR; ++j) acc[i][j] = __builtin_fmaf(ai, bk[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = acc[i][j];
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void ptile_z(const float *ap, const float *bp, float *c, int64_t ldc,
+                                                          int64_t kc, const int mr, int64_t nr, int first) {
+    const __mmask16 keep = (__mmask16)(nr >= NR ? 0xFFFFu : (1u << nr) - 1u);
+    __m512 acc[MT];
+    _Pragma("GCC unroll 12")
+    for (int i = 0; i < MT; ++i) acc[i] = first || i >= mr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep, c + i * ldc);
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m512 bk = _mm512_loadu_ps(bp + k * NR);
+        _Pragma("GCC unroll 12")
+        for (int i = 0; i < mr; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ap[k * MT + i]), bk, acc[i]);
+    }
+    for (int i = 0; i < mr; ++i) _mm512_mask_storeu_ps(c + i * ldc, keep, acc[i]);
+}
+#define PTILE(mr) ptile_z(ap, bp, c, ldc, kc, mr, nr, first)
+#define PTILE_FULL PTILE(MT)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ROW(i) ai = _mm256_broadcast_ss(ap + k * MT + (i)); \
+               c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0); c##i##1 = _mm256_fmadd_ps(ai, b1, c##i##1);
+#define LOAD(i) c##i##0 = _mm256_loadu_ps(in[i]); c##i##1 = _mm256_loadu_ps(in[i] + 8);
+/* ptile() for a full MR = 6 rows in AVX2 / FMA3 intrinsics (tile6's registers): the same chains */
+static inline __attribute__((always_inline)) void ptile6(const float *ap, const float *bp, float *c, int64_t ldc,
+                                                         int64_t kc, int64_t nr, int first) {
+    float in[MR][NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) in[i][j] = first || j >= nr ? 0.0f : c[i * ldc + j];
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51, ai;
+    LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(bp + k * NR), b1 = _mm256_loadu_ps(bp + k * NR + 8);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+    }
+    float out[MR][NR];
+    _mm256_storeu_ps(out[0], c00); _mm256_storeu_ps(out[0] + 8, c01);
+    _mm256_storeu_ps(out[1], c10); _mm256_storeu_ps(out[1] + 8, c11);
+    _mm256_storeu_ps(out[2], c20); _mm256_storeu_ps(out[2] + 8, c21);
+    _mm256_storeu_ps(out[3], c30); _mm256_storeu_ps(out[3] + 8, c31);
+    _mm256_storeu_ps(out[4], c40); _mm256_storeu_ps(out[4] + 8, c41);
+    _mm256_storeu_ps(out[5], c50); _mm256_storeu_ps(out[5] + 8, c51);
+    for (int i = 0; i < MR; ++i)
+        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = out[i][j];
+}
+#undef ROW
+#undef LOAD
+#define PTILE(mr) ptile(ap, bp, c, ldc, kc, mr, nr, first)
+#define PTILE_FULL ptile6(ap, bp, c, ldc, kc, nr, first)
+#else
+#define PTILE(mr) ptile(ap, bp, c, ldc, kc, mr, nr, first)
+#define PTILE_FULL PTILE(MR)
+#endif
+
+/* A packed tile of min(rows, MT) rows: each row count its own inlined copy (constant mr) */
+static inline void ptile_rows(const float *ap, const float *bp, float *c, int64_t ldc, int64_t kc, int64_t rows,
+                              int64_t nr, int first) {
+    switch (rows < MT ? rows : MT) {
+#if MT == 12
+        case 12: PTILE_FULL; break;
+        case 11: PTILE(11); break;
+        case 10: PTILE(10); break;
+        case 9: PTILE(9); break;
+        case 8: PTILE(8); break;
+        case 7: PTILE(7); break;
+        case 6: PTILE(6); break;
+#else
+        case 6: PTILE_FULL; break;
+#endif
+        case 5: PTILE(5); break;
+        case 4: PTILE(4); break;
+        case 3: PTILE(3); break;
+        case 2: PTILE(2); break;
+        default: PTILE(1); break;
+    }
+}
+
+#define KC 256 /* k steps a block */
+#define MC_TILES 32 /* row tiles a chunk */
+/* c[g] = a[g] @ b[g] for an a whose columns are not adjacent (a weight gradient's g.t(): K the tokens, long), k in
+   blocks of KC. Per block, b's column panels are packed (kc x NR, zero-padded past N); then each chunk of row tiles
+   packs its rows of a k-major (ap[tile][k][i]: reading each k's row of g along its length, not a page apart) and
+   runs every panel, each output's chain continued from what the previous block stored in c. Threads share a
+   block's chunks, never a chain's steps: a chain's blocks run in order (a barrier between blocks). Returns 0, or 1
+   if a buffer could not be allocated. (A product of row-major operands keeps the unblocked path: it reads both in
+   place, which measured faster up to K of a few thousand.) */
+static int blocked_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K, int64_t N,
+                       int64_t a_batch, int64_t lda, int64_t a_col, int64_t b_batch, int64_t ldb, int64_t b_col,
+                       int threads) {
+    const int64_t mt = (M + MT - 1) / MT, nt = (N + NR - 1) / NR;
+    const int64_t rounds = (mt + threads * MC_TILES - 1) / (threads * MC_TILES);  /* chunks a thread, balanced */
+    const int64_t chunk = (mt + threads * rounds - 1) / (threads * rounds), chunks = (mt + chunk - 1) / chunk;
+    float *bp = (float *)aligned_alloc(64, (size_t)(nt * KC * NR) * sizeof(float)); /* 64-byte lines: no split loads */
+    if (bp == NULL) return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *ap = (float *)aligned_alloc(64, (size_t)(chunk * KC * MT) * sizeof(float));
+        if (ap == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t g = 0; g < batch; ++g) {
+            const float *ag = a + g * a_batch, *bg = b + g * b_batch;
+            float *cg = c + g * M * N;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                #pragma omp for schedule(static)
+                for (int64_t p = 0; p < nt; ++p) {
+                    const int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+                    float *dst = bp + p * KC * NR;
+                    for (int64_t k = 0; k < kc; ++k) {
+                        const float *src = bg + (k0 + k) * ldb + n0 * b_col;
+                        for (int64_t j = 0; j < NR; ++j) dst[k * NR + j] = j < nr ? src[j * b_col] : 0.0f;
+                    }
+                }  /* (the loop's barrier: every panel packed before any tile reads one) */
+                #pragma omp for schedule(static)
+                for (int64_t q = 0; q < chunks; ++q) {
+                    if (ap == NULL) continue;
+                    const int64_t r0 = q * chunk * MT, r1 = (q + 1) * chunk * MT < M ? (q + 1) * chunk * MT : M;
+                    for (int64_t k = 0; k < kc; ++k) {
+                        const float *src = ag + (k0 + k) * a_col + r0 * lda;
+                        float *dst = ap + k * MT;
+                        for (int64_t m0 = r0; m0 < r1; m0 += MT, src += MT * lda, dst += KC * MT) {
+                            const int64_t mr = r1 - m0 < MT ? r1 - m0 : MT;
+                            if (lda == 1 && mr == MT)
+                                for (int i = 0; i < MT; ++i) dst[i] = src[i];  /* one k of a tile: adjacent */
+                            else
+                                for (int64_t i = 0; i < mr; ++i) dst[i] = src[i * lda];
+                        }
+                    }
+                    for (int64_t m0 = r0; m0 < r1; m0 += MT) {
+                        const int64_t mr = r1 - m0 < MT ? r1 - m0 : MT;
+                        const float *at = ap + ((m0 - r0) / MT) * KC * MT;
+                        for (int64_t p = 0; p < nt; ++p) {
+                            const int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+                            ptile_rows(at, bp + p * KC * NR, cg + m0 * N + n0, N, kc, mr, nr, k0 == 0);
+                        }
+                    }
+                }  /* (and its barrier: every tile done before the next block packs over bp) */
+            }
+        }
+        free(ap);
+    }
+    free(bp);
+    return failed;
+}
+
 #define TB 64
 /* rows[i * K + k] = a[i * lda + k * a_col] for rows i0 .. i1-1: a transposed a (lda = 1) made row-major, in TB x TB
    blocks of 8 x 8 register transposes (a plain strided copy, torch's included, runs several times slower: each
@@ -235,6 +408,8 @@ static int fixed_order_bmm(const float *a, const float *b, float *c, int64_t bat
 int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
                               int64_t N, int64_t a_batch, int64_t lda, int64_t a_col, int64_t b_batch, int64_t ldb,
                               int64_t b_col, int64_t b_readable, int threads) {
+    if (K > KC && a_col != 1)  /* a weight gradient's g.t() over the tokens */
+        return blocked_bmm(a, b, c, batch, M, K, N, a_batch, lda, a_col, b_batch, ldb, b_col, threads);
     if (a_col == 1 || K == 1)
         return fixed_order_bmm(a, b, c, batch, M, K, N, a_batch, lda, b_batch, ldb, b_col, b_readable, threads);
     float *rows = (float *)malloc((size_t)(batch * M * K) * sizeof(float));
