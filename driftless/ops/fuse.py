@@ -179,7 +179,12 @@ def fused(fn):
             setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
             compiled = torch.compile(fn, dynamic=True, options=INDUCTOR_OPTIONS)
         try:
-            out = compiled(*args, **kwargs)
+            # float constants (the exp polynomials' coefficients, eps) are baked in when traced: left symbolic,
+            # inductor could not keep them so and dynamo traced every such graph twice in each process (about
+            # 7 s of a demo worker's first evaluation, cached or not). The same operations: every compiled piece is
+            # still checked against its definition at its first call, and make demo-verify compares the demo's lines
+            with torch._dynamo.config.patch(specialize_float=True):
+                out = compiled(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - decided below by running the definition itself
             out = fn(*args, **kwargs)
             cause = getattr(err, "inner_exception", None) or err  # inductor wraps the compiler's error
