@@ -92,7 +92,14 @@ def test_fused_log_softmax_equals_eager(seed, rows, v, scale):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, v, generator=g) * scale
     x[0, : v // 2] = -math.inf  # filtered entries stay −inf
-    assert same(exact.exact_log_softmax_values, x)
+    assert same(exact._log_softmax_rows, x)
+    # the public function runs any leading shape as rows of one 2-D matrix: a [B, L, V] gives its rows' values
+    with fuse.unfused():
+        eager = exact.exact_log_softmax_values(x)
+    assert torch.equal(exact.exact_log_softmax_values(x), eager)
+    batched = torch.stack([x, x.flip(0)]).transpose(0, 1)  # [rows, 2, V], not contiguous
+    want = torch.stack([eager, eager.flip(0)]).transpose(0, 1)
+    assert torch.equal(exact.exact_log_softmax_values(batched), want)
 
 
 def pad(seqs, width):
