@@ -458,10 +458,11 @@ def _log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
 def exact_log_softmax_values(x: torch.Tensor) -> torch.Tensor:
     """log-softmax over the last dim (−inf entries stay −inf), fp32, bitwise the same on any CPU.
 
-    Row by row, so it runs on the rows as one contiguous 2-D matrix: one compiled graph serves the sampler's
-    [rows, V] (a view of the prompt's last position, or a decode step's) and the scorer's [B, L, V] (each variant a
-    cold compile of about 11 s a process on a 2-core EPYC, in every demo worker)."""
-    return _log_softmax_rows(x.reshape(-1, x.shape[-1]).contiguous()).reshape(x.shape)
+    Row by row, so it runs on the rows as one 2-D matrix of their own (a copy): one compiled graph serves the
+    sampler's [rows, V] and the scorer's [B, L, V], where a view (reshaped, or a decode step's last position) made
+    dynamo guard on its base's shape and compile a graph per caller, each a cold compile of about 11 s a process on
+    a 2-core EPYC, in every demo worker."""
+    return _log_softmax_rows(x.reshape(-1, x.shape[-1]).clone()).reshape(x.shape)
 
 
 def exact_log_softmax(x: torch.Tensor) -> torch.Tensor:
