@@ -2,7 +2,7 @@
 # Issue 51's aligned / reproducible figures on the CPU this runs on, in one go, each into
 # results/bench/<kind>-<bench>.json (kind: vendor and kernel set, e.g. xeon-avx512amx, epyc-avx512, epyc-avx2only):
 #
-#     bash bench/cpu_kind.sh           # from the repository root, after `make install`; about 20 minutes, run it alone
+#     bash bench/cpu_kind.sh           # from the repository root, after `make install`; a few minutes, run it alone
 #
 # 1. bench/fixed_mm.py, one thread: the fixed-order GEMM against torch's at the demo model's shapes, and a weight
 #    gradient given g.t() (the blocked path);
