@@ -95,6 +95,13 @@ def fusion_failure() -> str | None:
     return _broken
 
 
+def _specialized_floats():
+    """dynamo's ``specialize_float`` on for this call, where this torch has the setting (a no-op elsewhere)."""
+    if hasattr(torch._dynamo.config, "specialize_float"):
+        return torch._dynamo.config.patch(specialize_float=True)
+    return contextlib.nullcontext()
+
+
 def _needs_grad(args, kwargs) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -183,7 +190,7 @@ def fused(fn):
             # inductor could not keep them so and dynamo traced every such graph twice in each process (about
             # 7 s of a demo worker's first evaluation, cached or not). The same operations: every compiled piece is
             # still checked against its definition at its first call, and make demo-verify compares the demo's lines
-            with torch._dynamo.config.patch(specialize_float=True):
+            with _specialized_floats():
                 out = compiled(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - decided below by running the definition itself
             out = fn(*args, **kwargs)
