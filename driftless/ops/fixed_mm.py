@@ -102,6 +102,18 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
    vectors of 8 columns) stay in registers (GCC's code for the array above spills at 6 rows). _mm256_fmadd_ps is 8
    independent correctly rounded fmas, one per column: every output is the same chain, in the same k order, from the
    same +0, as in tile(), so the bits are tile()'s. */
+/* the 12 accumulators c00 .. c51 of a 6 x 16 tile into rows of c (row stride ldc), the first nr columns */
+#define STORE6(c, ldc, nr) do { \
+        float out[MR][NR]; \
+        _mm256_storeu_ps(out[0], c00); _mm256_storeu_ps(out[0] + 8, c01); \
+        _mm256_storeu_ps(out[1], c10); _mm256_storeu_ps(out[1] + 8, c11); \
+        _mm256_storeu_ps(out[2], c20); _mm256_storeu_ps(out[2] + 8, c21); \
+        _mm256_storeu_ps(out[3], c30); _mm256_storeu_ps(out[3] + 8, c31); \
+        _mm256_storeu_ps(out[4], c40); _mm256_storeu_ps(out[4] + 8, c41); \
+        _mm256_storeu_ps(out[5], c50); _mm256_storeu_ps(out[5] + 8, c51); \
+        for (int i = 0; i < MR; ++i) \
+            for (int64_t j = 0; j < (nr); ++j) (c)[i * (ldc) + j] = out[i][j]; \
+    } while (0)
 #define ROW(i) ai = _mm256_broadcast_ss(a + (i) * lda + k); \
                c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0); c##i##1 = _mm256_fmadd_ps(ai, b1, c##i##1);
 static inline __attribute__((always_inline)) void tile6(const float *a, int64_t lda, const float *b, int64_t ldb,
@@ -112,15 +124,7 @@ static inline __attribute__((always_inline)) void tile6(const float *a, int64_t 
         const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
     }
-    float out[MR][NR];
-    _mm256_storeu_ps(out[0], c00); _mm256_storeu_ps(out[0] + 8, c01);
-    _mm256_storeu_ps(out[1], c10); _mm256_storeu_ps(out[1] + 8, c11);
-    _mm256_storeu_ps(out[2], c20); _mm256_storeu_ps(out[2] + 8, c21);
-    _mm256_storeu_ps(out[3], c30); _mm256_storeu_ps(out[3] + 8, c31);
-    _mm256_storeu_ps(out[4], c40); _mm256_storeu_ps(out[4] + 8, c41);
-    _mm256_storeu_ps(out[5], c50); _mm256_storeu_ps(out[5] + 8, c51);
-    for (int i = 0; i < MR; ++i)
-        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = out[i][j];
+    STORE6(c, ldc, nr);
 }
 #undef ROW
 #define FULL_TILE(a, lda, b, ldb, c, ldc, K, nr) tile6(a, lda, b, ldb, c, ldc, K, nr)
@@ -259,15 +263,7 @@ static inline __attribute__((always_inline)) void ptile6(const float *ap, const 
         const __m256 b0 = _mm256_loadu_ps(bp + k * NR), b1 = _mm256_loadu_ps(bp + k * NR + 8);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
     }
-    float out[MR][NR];
-    _mm256_storeu_ps(out[0], c00); _mm256_storeu_ps(out[0] + 8, c01);
-    _mm256_storeu_ps(out[1], c10); _mm256_storeu_ps(out[1] + 8, c11);
-    _mm256_storeu_ps(out[2], c20); _mm256_storeu_ps(out[2] + 8, c21);
-    _mm256_storeu_ps(out[3], c30); _mm256_storeu_ps(out[3] + 8, c31);
-    _mm256_storeu_ps(out[4], c40); _mm256_storeu_ps(out[4] + 8, c41);
-    _mm256_storeu_ps(out[5], c50); _mm256_storeu_ps(out[5] + 8, c51);
-    for (int i = 0; i < MR; ++i)
-        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = out[i][j];
+    STORE6(c, ldc, nr);
 }
 #undef ROW
 #undef LOAD
