@@ -14,22 +14,7 @@
 # Nothing else should run meanwhile (docs/benchmarks.md says why: timings taken beside other work are no figure).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-KIND=${KIND:-$($PY - <<'EOF'
-import torch
-flags = open("/proc/cpuinfo").read()
-name = next((line.split(":", 1)[1] for line in flags.splitlines() if line.startswith("model name")), "")
-vendor = "xeon" if "Xeon" in name else "epyc" if "EPYC" in name else ("intel" if "Intel" in name else "amd" if "AMD" in name else "cpu")
-cap = torch.backends.cpu.get_cpu_capability().lower()
-amx = "amx" if " amx_tile" in flags else ""
-if cap == "avx512":
-    kind = "avx512" + amx
-elif " avx512f" in flags:  # ATEN_CPU_CAPABILITY chose narrower kernels on an AVX-512 CPU
-    kind = f"avx512{amx}-{cap}kernels"
-else:
-    kind = cap + "only" if cap == "avx2" else cap
-print(f"{vendor}-{kind}")
-EOF
-)}
+KIND=${KIND:-$($PY bench/_kind.py)}
 OUT=${OUT:-results/bench}
 mkdir -p "$OUT"
 echo "CPU kind: $KIND -> $OUT/$KIND-*.json"
