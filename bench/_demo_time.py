@@ -11,6 +11,7 @@ from driftless.recipes.demo import METHODS, RECORD, differences
 
 def console_lines(text: str, last: int = 40) -> list[str]:
     """The console as a person saw it: each line's last redraw (tqdm rewrites a line with carriage returns)."""
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)  # tqdm's cursor moves
     lines = [line.split("\r")[-1].rstrip() for line in text.replace("\r\n", "\n").split("\n")]
     return [line for line in lines if line][-last:]
 
@@ -36,11 +37,11 @@ def main() -> None:
     warm_s = at(warm[0]) if warm else None
     phases = {"warm_start_s": warm_s,
               "workers_start_s": round(min(started.values()) - warm_s, 1) if started and warm_s else None}
-    previous = warm_s
-    for i, pair in enumerate(pairs, 1):
-        end = max(done[m] for m in pair)
-        phases[f"pair{i}_s"] = {"methods": pair, "seconds": round(end - (previous or 0), 1)}
-        previous = end
+    previous = None
+    for i, pair in enumerate(pairs, 1):  # the first from its runs' start, each later one from the end of the one before
+        begin = min(started.get(m, done[m]) for m in pair) if previous is None else previous
+        previous = max(done[m] for m in pair)
+        phases[f"pair{i}_s"] = {"methods": pair, "seconds": round(previous - begin, 1)}
     total = round(args.end - args.start, 1)
     phases["report_s"] = round(total - previous, 1) if previous is not None else None
     peak_kb = None
