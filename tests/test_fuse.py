@@ -13,6 +13,7 @@ The switch, fallback and cache-folder tests below run in ``make test``.
 from __future__ import annotations
 
 import math
+import platform
 import warnings
 
 import pytest
@@ -271,25 +272,54 @@ def test_the_switch_is_checked_by_name(monkeypatch):
     fuse.set_fused(True)
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the folder's name reads x86 extensions")
 def test_each_kernel_set_gets_its_own_inductor_cache(monkeypatch, tmp_path):
     """Inductor's cache key does not tell kernel sets apart: a library built for one ISA, loaded under
-    another, gave wrong values here. Each kernel set compiles into a folder of its own under the user's."""
+    another, gave wrong values here. Each kernel set (and set of vector extensions) compiles into a folder of its
+    own under the user's, named without building inductor's ISA probes (those then land in the folder, where the
+    processes started from this one find them: about 8 s of each demo worker's start when cold)."""
     import os
 
     import torch._inductor.cpu_vec_isa as vec_isa
 
+    def no_probe():
+        raise AssertionError("the folder was named by building inductor's ISA probes")
+
+    monkeypatch.setattr(vec_isa, "pick_vec_isa", no_probe)
     dirs = set()
-    for capability in ("AVX2", "AVX512"):
+    for capability, extensions in (("AVX2", ["avx2"]), ("AVX512", ["avx2", "avx512"]), ("AVX2", ["avx2", "avx512"])):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        monkeypatch.setattr(vec_isa, "pick_vec_isa", lambda c=capability: c.lower())
+        monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda e=extensions: e)
         fuse._cache_per_kernel_set()
         path = os.environ["TORCHINDUCTOR_CACHE_DIR"]
         assert os.path.dirname(path) == str(tmp_path) and capability.lower() in os.path.basename(path)
         fuse._cache_per_kernel_set()  # idempotent: no folder inside the folder
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
         dirs.add(path)
-    assert len(dirs) == 2
+    assert len(dirs) == 3
+
+
+@pytest.mark.compiled
+def test_a_piece_compiles_one_graph_for_flagged_plain_and_unequal_inputs():
+    """A piece called where grad is off with inputs that require grad (a custom Function's forward) compiles the graph
+    that plain inputs (evaluation) use, and sizes equal at the first call (a batch of 64 rows, a head of 64) are not
+    assumed equal after: each of these compiled the piece again, a cold compile of seconds in every demo process."""
+    from torch._dynamo.utils import counters
+
+    def scaled_exp(x, y):
+        return exact.exp32(x) * y
+
+    piece = fuse.fused(scaled_exp)
+    before = counters["stats"]["unique_graphs"]
+    a, b = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    with torch.no_grad():
+        out = piece(a, b)
+    assert not out.requires_grad and torch.equal(out, scaled_exp(a.detach(), b.detach()))
+    for rows in (64, 40):
+        x, y = torch.randn(rows, 64), torch.randn(rows, 64)
+        assert torch.equal(piece(x, y), scaled_exp(x, y))
+    assert counters["stats"]["unique_graphs"] - before == 1
 
 
 @pytest.mark.compiled

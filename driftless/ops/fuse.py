@@ -47,9 +47,12 @@ from driftless.ops.dispatch import suspended
 
 ENV = "DRIFTLESS_FUSED_ALIGNED"
 # forced whatever the environment asks of inductor: the first two are what the bits rest on; the third lets one
-# compiled library serve every thread count
+# compiled library serve every thread count; the fourth stores an elementwise chain of more than 30 operations (exp64,
+# log64: an fp32 or fp64 buffer, the same values) instead of inlining it into each loop that reads it (torch 2.13's
+# CPU default is 50): the log-softmax piece's code generation took 11 s cold, with the chain copied into every
+# reduction loop, and takes 1 s; its kernels run as fast
 INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False,
-                    "cpp.dynamic_threads": True}
+                    "cpp.dynamic_threads": True, "realize_opcount_threshold": 30}
 
 RECOMPILE_LIMIT = 64  # dynamo's per-function limit is raised to this (never lowered) when fusing
 
@@ -95,11 +98,21 @@ def fusion_failure() -> str | None:
     return _broken
 
 
-def _specialized_floats():
-    """dynamo's ``specialize_float`` on for this call, where this torch has the setting (a no-op elsewhere)."""
+def _trace_settings():
+    """dynamo's settings for a compiled piece's call, where this torch has them (each a no-op elsewhere):
+    ``specialize_float`` on (float constants baked in: below) and duck sizing off (two dimensions of equal size
+    at the first call, e.g. a warm start's batch of 64 rows and a head of 64, are not assumed equal: otherwise a
+    later call where they differ compiles the piece again)."""
+    stack = contextlib.ExitStack()
     if hasattr(torch._dynamo.config, "specialize_float"):
-        return torch._dynamo.config.patch(specialize_float=True)
-    return contextlib.nullcontext()
+        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    try:
+        from torch.fx.experimental import _config as shape_config
+    except ImportError:  # an older torch
+        shape_config = None
+    if hasattr(shape_config, "use_duck_shape"):
+        stack.enter_context(shape_config.patch(use_duck_shape=False))
+    return stack
 
 
 def _needs_grad(args, kwargs) -> bool:
@@ -113,18 +126,37 @@ def _cache_per_kernel_set() -> None:
 
     Its cache key does not tell kernel sets apart (torch 2.13): a library built for AVX-512 is
     loaded by a process running with ``ATEN_CPU_CAPABILITY=avx2`` and the other way round, which
-    here gave wrong values and heap corruption. One folder per (ATen kernel set, inductor ISA) keeps
-    them apart; the user's ``TORCHINDUCTOR_CACHE_DIR``, if any, is the parent.
+    here gave wrong values and heap corruption. One folder per (ATen kernel set, the CPU's vector
+    extensions) keeps them apart; the user's ``TORCHINDUCTOR_CACHE_DIR``, if any, is the parent.
+    The folder is named before inductor picks its vector ISA: that choice builds and loads a probe
+    library per extension (about 8 s cold on a 2-core EPYC), cached in the folder it is made in, so
+    processes started from this one (inheriting the variable: the demo's workers) find them built.
     """
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    isa = pick_vec_isa()
-    tag = "driftless-" + "-".join((torch.backends.cpu.get_cpu_capability(), str(isa) if isa else "scalar"))
+    tag = "driftless-" + "-".join((torch.backends.cpu.get_cpu_capability(), _vector_extensions()))
     tag = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tag).lower()
     if os.path.basename(os.path.normpath(base)) != tag:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
+
+
+def _vector_extensions() -> str:
+    """The CPU's vector extensions as inductor reads them from /proc/cpuinfo (x86), building nothing; elsewhere the
+    ISA inductor picks (its probes then built in the parent folder)."""
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+            return "_".join(x86_isa_checker()) or "scalar"
+        except ImportError:  # another torch's layout
+            pass
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return str(isa) if isa else "scalar"
 
 
 def _give_up(reason: str) -> None:
@@ -147,6 +179,11 @@ def _same(a, b) -> bool:
             return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
         return torch.equal(a, b)
     return a == b
+
+
+def _values(items) -> tuple:
+    """``items`` with every tensor that requires grad detached (the same storage and values)."""
+    return tuple(a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in items)
 
 
 def fused(fn):
@@ -172,6 +209,9 @@ def fused(fn):
         nonlocal compiled, checked
         if not fused_enabled() or torch.compiler.is_compiling() or _needs_grad(args, kwargs):
             return fn(*args, **kwargs)
+        # values only: the inputs' requires_grad flags (set in a custom Function's forward, where grad is off) would
+        # otherwise make dynamo guard on them and compile the piece again for evaluation's plain tensors
+        args, kwargs = _values(args), dict(zip(kwargs, _values(kwargs.values())))
         if compiled is None and os.environ.get("ATEN_CPU_CAPABILITY") == "default":
             # inductor (torch 2.13) emits vector code without its vector headers when told to use no vector
             # ISA, and the build fails: do not try (scalar eager kernels are what was asked for anyway)
@@ -190,7 +230,8 @@ def fused(fn):
             # inductor could not keep them so and dynamo traced every such graph twice in each process (about
             # 7 s of a demo worker's first evaluation, cached or not). The same operations: every compiled piece is
             # still checked against its definition at its first call, and make demo-verify compares the demo's lines
-            with _specialized_floats():
+            # (and grad off: no input needs a gradient here, and dynamo guards on the grad mode)
+            with _trace_settings(), torch.no_grad():
                 out = compiled(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - decided below by running the definition itself
             out = fn(*args, **kwargs)
