@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--kind", default="")
     args = p.parse_args()
     run_dir = args.clone / "runs" / "demo"
-    at = lambda path: round(path.stat().st_mtime - args.start, 1)  # noqa: E731 - seconds after `make demo` began
+    at = lambda path: round(path.stat().st_mtime - args.start, 1)  # seconds after `make demo` began
     warm = sorted(args.clone.glob("runs/warmstart/*/info.json"))
     runs = {m: run_dir / m / "seed0" for m in METHODS}
     started = {m: at(r / "initial_eval.json") for m, r in runs.items() if (r / "initial_eval.json").exists()}
@@ -51,7 +51,7 @@ def main() -> None:
     out = {
         "kind": args.kind,
         "commit": subprocess.run(["git", "-C", str(args.clone), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip(),
+                                 capture_output=True, text=True, check=False).stdout.strip(),
         "make_demo_s": total, "goal_s": 600, "install_s": args.install_s,
         "phases": phases, "runs_started_s": started, "runs_done_s": done,
         "peak_rss_gb": round(peak_kb / 2**20, 2) if peak_kb else None,

@@ -4,11 +4,13 @@ epyc-avx2only, epyc-avx512-avx2kernels (ATEN_CPU_CAPABILITY chose narrower kerne
     python bench/_kind.py          # prints the kind of the CPU this runs on
 """
 
+from pathlib import Path
+
 import torch
 
 
 def cpu_kind(cpuinfo: str | None = None, capability: str | None = None) -> str:
-    flags = cpuinfo if cpuinfo is not None else open("/proc/cpuinfo").read()
+    flags = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
     name = next((line.split(":", 1)[1] for line in flags.splitlines() if line.startswith("model name")), "")
     vendor = ("xeon" if "Xeon" in name else "epyc" if "EPYC" in name
               else "intel" if "Intel" in name else "amd" if "AMD" in name else "cpu")

@@ -135,7 +135,7 @@ def _cache_per_kernel_set() -> None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    tag = "driftless-" + "-".join((torch.backends.cpu.get_cpu_capability(), _vector_extensions()))
+    tag = f"driftless-{torch.backends.cpu.get_cpu_capability()}-{_vector_extensions()}"
     tag = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tag).lower()
     if os.path.basename(os.path.normpath(base)) != tag:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
