@@ -208,23 +208,27 @@ def _worker(role: str, model_path: str, job_path: str, out_path: str) -> None:
     info = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
     if role not in ("sample", "score"):
         raise ValueError(f"role must be 'sample' or 'score', got {role!r}")
-    if fused_enabled():  # "fused" is read after the work: a failed build falls back to eager
+
+    def after_the_work() -> dict:
+        # read after the work: a failed build falls back to eager, and inductor's ISA probes are then built in the
+        # cache folder the pieces chose (ops.fuse), not in its parent
+        if not fused_enabled():
+            return {**info, "fused": False}
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         isa = pick_vec_isa()  # what inductor vectorises for (it follows ATEN_CPU_CAPABILITY)
-        info["inductor_isa"] = str(isa) if isa else "scalar"
+        return {**info, "fused": True, "inductor_isa": str(isa) if isa else "scalar"}
+
     if role == "sample":
         sampler = Sampler(policy, head_k=job["head_k"])
         sampler.load(Snapshot.of(policy, version))
         batch = sampler.generate(job["prompts"], job["params"], job["max_new_tokens"], seed=job["seed"])
-        info["fused"] = fused_enabled()
-        torch.save({"batch": {f: getattr(batch, f) for f in _BATCH_FIELDS}, "info": info}, out_path)
+        torch.save({"batch": {f: getattr(batch, f) for f in _BATCH_FIELDS}, "info": after_the_work()}, out_path)
     elif role == "score":
         fields = torch.load(job["batch_path"], weights_only=False)["batch"]
         batch = RolloutBatch(**fields, sampling=job["params"])
         logp, head, routes = _score_in_groups(policy, batch, [2, 5, 1])
-        info["fused"] = fused_enabled()
-        torch.save({"logp": logp, "head": head, "routes": routes, "info": info}, out_path)
+        torch.save({"logp": logp, "head": head, "routes": routes, "info": after_the_work()}, out_path)
 
 
 def cross_process_check(model, prompts, *, params: SamplingParams, max_new_tokens: int, seed: int,
