@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--time-v", type=Path)
     p.add_argument("--console", type=Path)
     p.add_argument("--kind", default="")
+    p.add_argument("--status", type=int, default=0, help="make demo's exit status")
     args = p.parse_args()
     run_dir = args.clone / "runs" / "demo"
     at = lambda path: round(path.stat().st_mtime - args.start, 1)  # seconds after `make demo` began
@@ -52,7 +53,7 @@ def main() -> None:
         "kind": args.kind,
         "commit": subprocess.run(["git", "-C", str(args.clone), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True, check=False).stdout.strip(),
-        "make_demo_s": total, "goal_s": 600, "install_s": args.install_s,
+        "make_demo_s": total, "goal_s": 600, "exit_status": args.status, "install_s": args.install_s,
         "phases": phases, "runs_started_s": started, "runs_done_s": done,
         "peak_rss_gb": round(peak_kb / 2**20, 2) if peak_kb else None,
         "differences_from_record": differences(run_dir, RECORD) if len(done) == len(METHODS) else ["runs missing"],

@@ -26,9 +26,12 @@ make install > "$WORK/install.log" 2>&1
 install_end=$(date +%s.%N)
 echo "make install: $(awk "BEGIN { print $install_end - $install_start }") s; timing make demo (cold caches) ..."
 start=$(date +%s.%N)
+status=0
 TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" XDG_CACHE_HOME="$WORK/xdg" \
-    /usr/bin/time -v -o "$WORK/time.txt" make demo > "$WORK/console.txt" 2>&1
+    /usr/bin/time -v -o "$WORK/time.txt" make demo > "$WORK/console.txt" 2>&1 || status=$?
 end=$(date +%s.%N)
+[ "$status" = 0 ] || echo "make demo exited with $status: the console is $WORK/console.txt" >&2
 .venv/bin/python "$REPO/bench/_demo_time.py" --clone "$WORK/clone" --start "$start" --end "$end" \
     --install-s "$(awk "BEGIN { print $install_end - $install_start }")" --time-v "$WORK/time.txt" \
-    --console "$WORK/console.txt" --kind "$KIND" | tee "$OUT/$KIND-demo-time.json"
+    --console "$WORK/console.txt" --kind "$KIND" --status "$status" | tee "$OUT/$KIND-demo-time.json"
+exit "$status"
