@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 
-def cpu_kind(cpuinfo: str | None = None, capability: str | None = None) -> str:
-    flags = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+def cpu_kind() -> str:
+    flags = Path("/proc/cpuinfo").read_text()
     name = next((line.split(":", 1)[1] for line in flags.splitlines() if line.startswith("model name")), "")
     vendor = ("xeon" if "Xeon" in name else "epyc" if "EPYC" in name
               else "intel" if "Intel" in name else "amd" if "AMD" in name else "cpu")
-    cap = (capability or torch.backends.cpu.get_cpu_capability()).lower()
+    cap = torch.backends.cpu.get_cpu_capability().lower()
     amx = "amx" if " amx_tile" in flags else ""
     if cap == "avx512":
         kind = "avx512" + amx

@@ -399,8 +399,8 @@ static int fixed_order_bmm(const float *a, const float *b, float *c, int64_t bat
 
 /* c[g] = a[g] @ b[g] for g < batch; a is read through its strides (lda between rows, a_col between columns: an a
    whose columns are not adjacent, e.g. a weight gradient's g.t(), runs blocked past KC steps and is otherwise first
-   made row-major by rows_of), b through
-   its strides (b_col between columns), b_readable floats from b's start exist. Returns 0, or 1 if a buffer could
+   made row-major by rows_of), b through its strides (b_col between columns), b_readable floats from b's start
+   exist. Returns 0, or 1 if a buffer could
    not be allocated (c is then incomplete). */
 int driftless_fixed_order_bmm(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
                               int64_t N, int64_t a_batch, int64_t lda, int64_t a_col, int64_t b_batch, int64_t ldb,

@@ -49,8 +49,8 @@ ENV = "DRIFTLESS_FUSED_ALIGNED"
 # forced whatever the environment asks of inductor: the first two are what the bits rest on; the third lets one
 # compiled library serve every thread count; the fourth stores an elementwise chain of more than 30 operations (exp64,
 # log64: an fp32 or fp64 buffer, the same values) instead of inlining it into each loop that reads it (torch 2.13's
-# CPU default is 50): the log-softmax piece's code generation took 11 s cold, with the chain copied into every
-# reduction loop, and takes 1 s; its kernels run as fast
+# CPU default is 50): with the chain copied into every reduction loop the log-softmax piece's code generation took 9 s
+# cold and takes 1 s, its kernel as fast (bench/compile_cost.py)
 INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False,
                     "cpp.dynamic_threads": True, "realize_opcount_threshold": 30}
 
@@ -104,15 +104,21 @@ def _trace_settings():
     at the first call, e.g. a warm start's batch of 64 rows and a head of 64, are not assumed equal: otherwise a
     later call where they differ compiles the piece again)."""
     stack = contextlib.ExitStack()
-    if hasattr(torch._dynamo.config, "specialize_float"):
-        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    for config, setting in _trace_configs():
+        stack.enter_context(config.patch(**setting))
+    return stack
+
+
+@functools.cache
+def _trace_configs() -> tuple:
+    """(config module, setting) pairs of ``_trace_settings`` that this torch has, looked up once."""
+    pairs = [(torch._dynamo.config, {"specialize_float": True})]
     try:
         from torch.fx.experimental import _config as shape_config
     except ImportError:  # an older torch
         shape_config = None
-    if hasattr(shape_config, "use_duck_shape"):
-        stack.enter_context(shape_config.patch(use_duck_shape=False))
-    return stack
+    pairs.append((shape_config, {"use_duck_shape": False}))
+    return tuple((config, setting) for config, setting in pairs if all(hasattr(config, k) for k in setting))
 
 
 def _needs_grad(args, kwargs) -> bool:
